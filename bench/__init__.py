@@ -1,0 +1,1 @@
+"""kvtier benchmarks (installed as kvtier_bench; run them with `kvtier bench NAME`)."""

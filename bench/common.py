@@ -1,0 +1,50 @@
+"""Shared benchmark helpers: timing medians, readable tables, JSON rows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def median_seconds(fn: Callable[[], object], runs: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of ``runs`` calls of ``fn`` (one untimed warm-up call first)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """``columns`` is (key, heading, format spec) for each column."""
+    cells = [[format(row[key], fmt) for key, _, fmt in columns] for row in rows]
+    headings = [heading for _, heading, _ in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, h in enumerate(headings)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headings, widths))
+    print(line)
+    print("-" * len(line))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+    sys.stdout.flush()
+
+
+def print_json_rows(rows: Sequence[dict[str, Any]]) -> None:
+    for row in rows:
+        print(json.dumps(row, sort_keys=True))
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

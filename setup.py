@@ -1,0 +1,14 @@
+"""Builds kvtier's one C extension (the batched piece copier); everything else is in pyproject."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvtier._copy",
+            sources=["src/kvtier/_copy.c"],
+            extra_compile_args=["-O3", "-pthread"],
+            extra_link_args=["-pthread"],
+        )
+    ]
+)

@@ -1,0 +1,284 @@
+"""BlockCopier: batched device <-> host block copies of every layer and part in one call."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.device import DeviceCache
+from kvtier.errors import InvalidBlockIds
+from kvtier.host import HostPool
+
+log = logging.getLogger(__name__)
+
+try:
+    from kvtier import _copy
+except ImportError:  # built without a C compiler: the torch path below still works
+    _copy = None
+
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+# Below this many bytes a second copy thread costs more (thread start ~20 us) than it saves.
+PARALLEL_MIN_BYTES = 4 << 20
+# Staging bound for the two-pass paths (torch fallback on CPU, the device side on CUDA).
+STAGING_BYTES = 256 << 20
+
+
+class BlockCopier(ABC):
+    """Moves whole blocks (all layers, all parts, extra layers) between a DeviceCache and a HostPool.
+
+    Contract, for every implementation:
+    - ``swap_out(device_block_ids, host_block_ids)`` copies device block ``d[i]`` into host block
+      ``h[i]`` for every i; ``swap_in(host_block_ids, device_block_ids)`` the reverse.
+    - Ids are validated before any byte moves: equal lengths, every id in range, no duplicate
+      destination id. Violations raise ``InvalidBlockIds`` naming the offending id. An empty
+      list is a no-op.
+    - The call returns the number of bytes moved once the bytes are in place (on CUDA, after the
+      copy stream is synchronized).
+    - A detached device cache raises ``DeviceCacheDetached``.
+    - Thread-safe: a swap_out and a swap_in may run at once from two threads, provided they
+      do not write the same blocks (the worker's per-direction executors guarantee that).
+    """
+
+    def __init__(self, device_cache: DeviceCache, host_pool: HostPool) -> None:
+        if device_cache.spec.fingerprint != host_pool.spec.fingerprint:
+            raise InvalidBlockIds("device cache and host pool were built for different specs")
+        self.device_cache = device_cache
+        self.host_pool = host_pool
+        self.spec = device_cache.spec
+
+    def swap_out(self, device_block_ids: BlockIds, host_block_ids: BlockIds) -> int:
+        dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=True)
+        if dev.size == 0:
+            return 0
+        return self._swap_out(dev, host)
+
+    def swap_in(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> int:
+        dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=False)
+        if dev.size == 0:
+            return 0
+        return self._swap_in(host, dev)
+
+    @abstractmethod
+    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int: ...
+
+    @abstractmethod
+    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int: ...
+
+    def close(self) -> None:
+        """Release staging buffers and streams."""
+
+    def _validate(
+        self, device_block_ids: BlockIds, host_block_ids: BlockIds, *, dst_is_host: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        dev = as_block_ids(device_block_ids, "device_block_ids")
+        host = as_block_ids(host_block_ids, "host_block_ids")
+        if dev.size != host.size:
+            raise InvalidBlockIds(
+                f"device_block_ids has {dev.size} ids but host_block_ids has {host.size}"
+            )
+        self.device_cache.tensors  # noqa: B018 - raises DeviceCacheDetached while asleep
+        limit = self.spec.usable_num_blocks
+        bad = dev[(dev < 0) | (dev >= limit)]
+        if bad.size:
+            raise InvalidBlockIds(f"device block id {int(bad[0])} out of range 0..{limit - 1}")
+        self.host_pool.check_ids(host)
+        dst, name = (host, "host") if dst_is_host else (dev, "device")
+        duplicate = first_duplicate(dst)
+        if duplicate is not None:
+            raise InvalidBlockIds(f"{name} block id {duplicate} appears twice as a destination")
+        return dev, host
+
+
+def as_block_ids(ids: BlockIds, what: str) -> np.ndarray:
+    """Block ids as a 1-D int64 array; anything else is an InvalidBlockIds naming ``what``."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as e:
+        raise InvalidBlockIds(f"{what} must be a list of integers: {e}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidBlockIds(f"{what} must be a flat list of integers, got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def first_duplicate(ids: np.ndarray) -> int | None:
+    if ids.size < 2:
+        return None
+    ordered = np.sort(ids)
+    same = ordered[1:] == ordered[:-1]
+    return int(ordered[1:][same][0]) if same.any() else None
+
+
+class CpuBlockCopier(BlockCopier):
+    """One pass per call: a native copy of every (block, layer, part) piece, GIL released.
+
+    The gather from per-layer device tensors and the scatter into page-first host blocks are
+    the same memcpy, split by bytes over ``num_threads`` threads. Pointers are computed with
+    vectorized numpy from the device cache's piece table; ids were validated first.
+    """
+
+    def __init__(self, device_cache: DeviceCache, host_pool: HostPool, num_threads: int | None = None):
+        super().__init__(device_cache, host_pool)
+        if _copy is None:
+            raise RuntimeError("kvtier._copy is not built; use TorchBlockCopier")
+        self.num_threads = num_threads or max(1, torch.get_num_threads())
+        self._host_offsets = np.array([p.offset_bytes for p in self.spec.pieces], dtype=np.int64)
+
+    def _pointers(self, dev: np.ndarray, host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        base, stride, size = self.device_cache.piece_table()
+        # Block-major order: consecutive pieces of one host block are adjacent in memory.
+        dev_ptrs = base[None, :] + dev[:, None] * stride[None, :]
+        host_ptrs = (self.host_pool.base_address + host[:, None] * self.host_pool.block_bytes
+                     + self._host_offsets[None, :])
+        sizes = np.broadcast_to(size[None, :], dev_ptrs.shape)
+        return dev_ptrs.ravel(), host_ptrs.ravel(), np.ascontiguousarray(sizes).ravel()
+
+    def _run(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, total: int) -> int:
+        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
+        return int(_copy.copy_pieces(dst, src, sizes, threads))
+
+    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int:
+        dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
+        return self._run(host_ptrs, dev_ptrs, sizes, dev.size * self.spec.block_bytes)
+
+    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int:
+        dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
+        return self._run(dev_ptrs, host_ptrs, sizes, dev.size * self.spec.block_bytes)
+
+
+class _StagedCopier(BlockCopier):
+    """Two passes through a bounded page-first staging buffer, chunk by chunk.
+
+    Used on CUDA (staging on the device: gather there, then large DMAs to the pinned pool) and as
+    the CPU fallback when the native copier is not built. One lock serializes use of the
+    staging buffer.
+    """
+
+    def __init__(self, device_cache: DeviceCache, host_pool: HostPool, staging_device: torch.device):
+        super().__init__(device_cache, host_pool)
+        self.chunk_blocks = max(1, min(STAGING_BYTES // self.spec.block_bytes, host_pool.num_blocks))
+        self.staging = torch.zeros(
+            (self.chunk_blocks, self.spec.block_bytes), dtype=torch.uint8, device=staging_device
+        )
+        self._lock = threading.Lock()
+
+    def _staging_views(self, k: int) -> list[torch.Tensor]:
+        """Per (layer, part): a typed [k, ...] strided view of the first k staging blocks."""
+        views = []
+        for p in self.spec.pieces:
+            raw = self.staging[:k, p.offset_bytes : p.offset_bytes + p.size_bytes]
+            shape = self.spec.part_shape(p.part, k)
+            views.append(raw.view(self.spec.torch_dtype(p.part)).view(shape))
+        return views
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        return [t for row in self.device_cache.tensors for t in row]
+
+    def _chunks(self, dev: np.ndarray, host: np.ndarray):
+        order = np.argsort(host, kind="stable")  # host runs become contiguous staging rows
+        dev, host = dev[order], host[order]
+        for start in range(0, dev.size, self.chunk_blocks):
+            yield dev[start : start + self.chunk_blocks], host[start : start + self.chunk_blocks]
+
+    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int:
+        with self._lock:
+            tensors = self._device_tensors()
+            for d, h in self._chunks(dev, host):
+                idx = torch.from_numpy(d).to(self.staging.device, non_blocking=True)
+                for src, out in zip(tensors, self._staging_views(d.size)):
+                    torch.index_select(src, 0, idx, out=out)
+                self._staging_to_host(h)
+            self._finish()
+        return dev.size * self.spec.block_bytes
+
+    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int:
+        with self._lock:
+            tensors = self._device_tensors()
+            for d, h in self._chunks(dev, host):
+                self._host_to_staging(h)
+                idx = torch.from_numpy(d).to(self.staging.device, non_blocking=True)
+                for dst, view in zip(tensors, self._staging_views(d.size)):
+                    dst.index_copy_(0, idx, view)
+            self._finish()
+        return dev.size * self.spec.block_bytes
+
+    def _staging_to_host(self, host: np.ndarray) -> None:
+        slab = self.host_pool.slab
+        for i, h0, n in _runs(host):
+            slab[h0 : h0 + n].copy_(self.staging[i : i + n], non_blocking=True)
+
+    def _host_to_staging(self, host: np.ndarray) -> None:
+        slab = self.host_pool.slab
+        for i, h0, n in _runs(host):
+            self.staging[i : i + n].copy_(slab[h0 : h0 + n], non_blocking=True)
+
+    def _finish(self) -> None:
+        """Bytes are in place when this returns."""
+
+    def close(self) -> None:
+        self.staging = self.staging[:0]
+
+
+def _runs(sorted_ids: np.ndarray):
+    """(position, first id, length) of each run of consecutive ids in a sorted array."""
+    if sorted_ids.size == 0:
+        return
+    breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [sorted_ids.size]))
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        yield s, int(sorted_ids[s]), e - s
+
+
+class TorchBlockCopier(_StagedCopier):
+    """CPU fallback: index_select into host-side staging, then runs of host blocks (two passes)."""
+
+    def __init__(self, device_cache: DeviceCache, host_pool: HostPool):
+        super().__init__(device_cache, host_pool, torch.device("cpu"))
+
+
+class CudaBlockCopier(_StagedCopier):
+    """CUDA: gather on the device into bounded staging, then large DMAs to the pinned pool.
+
+    All work runs on one dedicated stream; ``_finish`` synchronizes it, so a returned call means
+    the bytes are in place. Host blocks are sorted so that runs of consecutive host ids travel in
+    one DMA each.
+    """
+
+    def __init__(self, device_cache: DeviceCache, host_pool: HostPool):
+        if not host_pool.pinned:
+            log.warning("host pool is not pinned: device<->host copies will be slow and synchronous")
+        super().__init__(device_cache, host_pool, device_cache.device)
+        self.stream = torch.cuda.Stream(device=device_cache.device)
+
+    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int:
+        with torch.cuda.stream(self.stream):
+            return super()._swap_out(dev, host)
+
+    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int:
+        with torch.cuda.stream(self.stream):
+            return super()._swap_in(host, dev)
+
+    def _finish(self) -> None:
+        self.stream.synchronize()
+
+
+def make_copier(
+    device_cache: DeviceCache, host_pool: HostPool, num_threads: int | None = None
+) -> BlockCopier:
+    """The fastest copier for this device cache: native CPU, CUDA, or the torch fallback."""
+    if device_cache.device.type == "cuda":
+        return CudaBlockCopier(device_cache, host_pool)
+    if _copy is None:
+        log.warning("kvtier._copy is not built: falling back to the two-pass torch copier")
+        return TorchBlockCopier(device_cache, host_pool)
+    return CpuBlockCopier(device_cache, host_pool, num_threads)

@@ -1,0 +1,343 @@
+"""KVCacheSpec: the shape of an engine's KV cache, its byte sizes and its layout fingerprint."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import yaml
+
+from kvtier.errors import ConfigError
+
+
+class CacheDType(str, Enum):
+    """Element type of the KV cache. BLOCK_WISE_FP8 is uint8 data plus per-token scales."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    UINT8 = "uint8"
+    BLOCK_WISE_FP8 = "block_wise_fp8"
+
+
+class Part(str, Enum):
+    """One tensor of a layer: keys, values, and (fp8 only) their scales."""
+
+    KEY = "key"
+    VALUE = "value"
+    KEY_SCALE = "key_scale"
+    VALUE_SCALE = "value_scale"
+
+
+SCALE_DTYPES = ("bfloat16", "float16", "float32")
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "uint8": torch.uint8,
+    "block_wise_fp8": torch.uint8,
+}
+
+# Fields that decide the bytes of one page-first block. Block counts are left out on purpose:
+# two engines with different cache sizes but the same layout can share stored blocks.
+_LAYOUT_FIELDS = (
+    "num_layers",
+    "num_extra_layers",
+    "num_kv_heads",
+    "block_size",
+    "head_dim",
+    "dtype",
+    "scale_dtype",
+    "has_value",
+)
+FINGERPRINT_VERSION = 1
+
+
+class Piece(NamedTuple):
+    """Where one (layer, part) of a block sits inside a page-first host block."""
+
+    layer: int
+    part: Part
+    offset_bytes: int
+    size_bytes: int
+
+
+def _check_positive_int(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Per layer: K (and V unless MLA) of shape [num_blocks, num_kv_heads, block_size, head_dim].
+
+    Block-wise fp8 caches (dtype ``block_wise_fp8``) hold uint8 data plus one scale per
+    (block, head, token) for each part, of shape [num_blocks, num_kv_heads, block_size] in
+    ``scale_dtype``. Extra layers (speculative decoding / MTP draft layers) follow the main
+    layers and may have their own block count ``num_extra_blocks`` (default: ``num_blocks``).
+    """
+
+    num_layers: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: CacheDType = CacheDType.BFLOAT16
+    scale_dtype: str = "bfloat16"
+    has_value: bool = True
+    num_extra_layers: int = 0
+    num_extra_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_blocks", "num_kv_heads", "block_size", "head_dim"):
+            _check_positive_int(field, getattr(self, field))
+        try:
+            dtype = CacheDType(self.dtype)
+        except ValueError:
+            allowed = ", ".join(d.value for d in CacheDType)
+            raise ConfigError("dtype", f"got {self.dtype!r}; allowed: {allowed}") from None
+        object.__setattr__(self, "dtype", dtype)
+        if self.scale_dtype not in SCALE_DTYPES:
+            allowed = ", ".join(SCALE_DTYPES)
+            raise ConfigError("scale_dtype", f"got {self.scale_dtype!r}; allowed: {allowed}")
+        if not isinstance(self.has_value, bool):
+            raise ConfigError("has_value", f"must be true or false, got {self.has_value!r}")
+        extra = self.num_extra_layers
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            raise ConfigError("num_extra_layers", f"must be an integer >= 0, got {extra!r}")
+        if self.num_extra_blocks is not None:
+            _check_positive_int("num_extra_blocks", self.num_extra_blocks)
+        if self.num_extra_blocks is None or extra == 0:
+            object.__setattr__(self, "num_extra_blocks", self.num_blocks if extra else None)
+
+    # ---- shapes and sizes -------------------------------------------------------------------
+
+    @property
+    def total_layers(self) -> int:
+        """Main layers plus extra (draft) layers."""
+        return self.num_layers + self.num_extra_layers
+
+    @property
+    def has_scales(self) -> bool:
+        return self.dtype is CacheDType.BLOCK_WISE_FP8
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The tensors of one layer, in page-first order."""
+        parts = [Part.KEY]
+        if self.has_value:
+            parts.append(Part.VALUE)
+        if self.has_scales:
+            parts.append(Part.KEY_SCALE)
+            if self.has_value:
+                parts.append(Part.VALUE_SCALE)
+        return tuple(parts)
+
+    def torch_dtype(self, part: Part) -> torch.dtype:
+        if part in (Part.KEY_SCALE, Part.VALUE_SCALE):
+            return _TORCH_DTYPES[self.scale_dtype]
+        return _TORCH_DTYPES[self.dtype.value]
+
+    def layer_num_blocks(self, layer: int) -> int:
+        """Blocks in the device tensors of ``layer`` (extra layers may differ)."""
+        if not 0 <= layer < self.total_layers:
+            raise ConfigError("layer", f"{layer} is outside 0..{self.total_layers - 1}")
+        if layer < self.num_layers:
+            return self.num_blocks
+        assert self.num_extra_blocks is not None
+        return self.num_extra_blocks
+
+    @property
+    def usable_num_blocks(self) -> int:
+        """Device block ids valid in every layer (a swap moves all layers of a block)."""
+        return min(self.layer_num_blocks(layer) for layer in range(self.total_layers))
+
+    def part_shape(self, part: Part, num_blocks: int | None = None) -> tuple[int, ...]:
+        """Shape of one device tensor for ``part`` with ``num_blocks`` blocks."""
+        n = self.num_blocks if num_blocks is None else num_blocks
+        if part in (Part.KEY_SCALE, Part.VALUE_SCALE):
+            return (n, self.num_kv_heads, self.block_size)
+        return (n, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def part_block_bytes(self, part: Part) -> int:
+        """Bytes of one block of one part of one layer."""
+        elements = self.num_kv_heads * self.block_size
+        if part in (Part.KEY, Part.VALUE):
+            elements *= self.head_dim
+        return elements * self.torch_dtype(part).itemsize
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer, all parts."""
+        return sum(self.part_block_bytes(p) for p in self.parts)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one page-first block: every layer and part of one block."""
+        return self.total_layers * self.layer_block_bytes
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Every (layer, part) of a page-first block with its offset, in memory order."""
+        out: list[Piece] = []
+        offset = 0
+        for layer in range(self.total_layers):
+            for part in self.parts:
+                size = self.part_block_bytes(part)
+                out.append(Piece(layer, part, offset, size))
+                offset += size
+        return tuple(out)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the whole device cache (every tensor of every layer)."""
+        return sum(
+            self.layer_num_blocks(layer) * self.part_block_bytes(part)
+            for layer in range(self.total_layers)
+            for part in self.parts
+        )
+
+    def host_bytes(self, num_host_blocks: int) -> int:
+        return num_host_blocks * self.block_bytes
+
+    # ---- identity ---------------------------------------------------------------------------
+
+    def layout_dict(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f in _LAYOUT_FIELDS}
+        d["dtype"] = self.dtype.value
+        if not self.has_scales:
+            d["scale_dtype"] = None  # irrelevant without scales; must not split fingerprints
+        return d
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits naming the page-first block layout; stable across machines/versions.
+
+        Covers every field that changes the bytes of a block (layers, extra layers, heads,
+        block size, head dim, dtypes, K/V or K only), not the block counts.
+        """
+        canonical = json.dumps(
+            {"v": FINGERPRINT_VERSION, **self.layout_dict()}, sort_keys=True, separators=(",", ":")
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["dtype"] = self.dtype.value
+        return d
+
+    def differences(self, other: KVCacheSpec) -> list[str]:
+        """Human-readable list of fields that differ, e.g. ``num_kv_heads: 8 != 4``."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+    # ---- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVCacheSpec:
+        """Build from a mapping (YAML, JSON); unknown keys are an error naming them."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("spec", f"must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                unknown[0], f"unknown spec field; allowed: {', '.join(sorted(known))}"
+            )
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in data
+        ]
+        if missing:
+            raise ConfigError(missing[0], "is required")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> KVCacheSpec:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        if isinstance(data, Mapping) and "spec" in data:
+            data = data["spec"]
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_flags(cls, argv: Sequence[str]) -> KVCacheSpec:
+        """Build from the old engine's flags (``--key_cache_shape N,H,B,D`` and friends)."""
+        args, _ = legacy_flag_parser().parse_known_args(list(argv))
+        return cls.from_legacy_args(args)
+
+    @classmethod
+    def from_legacy_args(cls, args: argparse.Namespace) -> KVCacheSpec:
+        key_shape = _parse_shape("key_cache_shape", args.key_cache_shape)
+        value_raw = args.value_cache_shape
+        has_value = bool(value_raw and value_raw.strip())
+        if has_value:
+            value_shape = _parse_shape("value_cache_shape", value_raw)
+            if value_shape != key_shape:
+                raise ConfigError(
+                    "value_cache_shape",
+                    f"{value_raw} differs from key_cache_shape {args.key_cache_shape}; "
+                    "kvtier needs K and V of one shape (leave it empty for MLA)",
+                )
+        num_blocks, heads, block_size, head_dim = key_shape
+        extra_blocks = args.num_extra_layer_gpu_blocks
+        if args.num_extra_layers and extra_blocks is None and args.extra_layer_block_ratio:
+            if args.extra_layer_block_ratio <= 0:
+                raise ConfigError("extra_layer_block_ratio", "must be > 0")
+            extra_blocks = int(num_blocks * args.extra_layer_block_ratio)
+        return cls(
+            num_layers=args.num_layers,
+            num_blocks=num_blocks,
+            num_kv_heads=heads,
+            block_size=block_size,
+            head_dim=head_dim,
+            dtype=args.cache_dtype,
+            scale_dtype=args.scale_dtype,
+            has_value=has_value,
+            num_extra_layers=args.num_extra_layers,
+            num_extra_blocks=extra_blocks if args.num_extra_layers else None,
+        )
+
+
+def legacy_flag_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the old engine's cache flags to ``parser`` (or a new one) and return it."""
+    p = parser or argparse.ArgumentParser(add_help=False)
+    p.add_argument("--key_cache_shape", required=True, help="N,H,B,D of each key cache")
+    p.add_argument("--value_cache_shape", default="", help="N,H,B,D; empty for MLA (K only)")
+    p.add_argument(
+        "--cache_dtype",
+        default="bfloat16",
+        help="bfloat16|float16|float32|uint8|block_wise_fp8",
+    )
+    p.add_argument("--scale_dtype", default="bfloat16", help="dtype of fp8 scales")
+    p.add_argument("--num_layers", type=int, required=True)
+    p.add_argument("--num_extra_layers", type=int, default=0, help="MTP / draft layers")
+    p.add_argument("--num_extra_layer_gpu_blocks", type=int, default=None)
+    p.add_argument(
+        "--extra_layer_block_ratio",
+        type=float,
+        default=None,
+        help="extra-layer blocks = num_blocks x ratio (when no explicit count)",
+    )
+    return p
+
+
+def _parse_shape(field: str, text: str) -> tuple[int, int, int, int]:
+    try:
+        dims = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ConfigError(field, f"expected N,H,B,D (four integers), got {text!r}") from None
+    if len(dims) != 4 or any(d <= 0 for d in dims):
+        raise ConfigError(field, f"expected N,H,B,D (four positive integers), got {text!r}")
+    return dims  # type: ignore[return-value]
