@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def median_seconds(fn: Callable[[], object], runs: int, sync: Callable[[], None] = lambda: None) -> float:
+def median_seconds(
+    fn: Callable[[], object], runs: int, sync: Callable[[], None] = lambda: None
+) -> float:
     """Median wall time of ``runs`` calls of ``fn`` (one untimed warm-up call first)."""
     fn()
     sync()
@@ -31,8 +33,10 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
     """``columns`` is (key, heading, format spec) for each column."""
     cells = [[format(row[key], fmt) for key, _, fmt in columns] for row in rows]
     headings = [heading for _, heading, _ in columns]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(headings)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+        for i, h in enumerate(headings)
+    ]
     line = "  ".join(h.rjust(w) for h, w in zip(headings, widths))
     print(line)
     print("-" * len(line))

@@ -57,23 +57,40 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
     counts = _ints(args.num_blocks)
     capacity = max(counts)
-    spec = KVCacheSpec(num_layers=args.layers, num_blocks=capacity, num_kv_heads=args.heads,
-                       block_size=block_size, head_dim=args.head_dim, dtype="bfloat16")
+    spec = KVCacheSpec(
+        num_layers=args.layers,
+        num_blocks=capacity,
+        num_kv_heads=args.heads,
+        block_size=block_size,
+        head_dim=args.head_dim,
+        dtype="bfloat16",
+    )
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng(args.seed)
     name = cache_name(f"bench{uuid.uuid4().hex[:8]}", 0)
-    progress(f"block_size {block_size}: {args.layers} layers, {spec.block_bytes >> 10} KiB/block, "
-             f"{capacity} blocks ({spec.device_bytes / 2**30:.1f} GiB per side)")
+    progress(
+        f"block_size {block_size}: {args.layers} layers, {spec.block_bytes >> 10} KiB/block, "
+        f"{capacity} blocks ({spec.device_bytes / 2**30:.1f} GiB per side)"
+    )
     rows = []
-    with DeviceCache.create(spec, name, device=args.device) as cache, HostPool(spec, capacity) as pool:
+    with (
+        DeviceCache.create(spec, name, device=args.device) as cache,
+        HostPool(spec, capacity) as pool,
+    ):
         for row in cache.tensors:
             for t in row:
-                t.copy_(torch.randint(0, 255, t.shape, dtype=torch.uint8).view(t.dtype)
-                        if t.dtype == torch.uint8 else torch.randn(t.shape).to(t.dtype))
+                t.copy_(
+                    torch.randint(0, 255, t.shape, dtype=torch.uint8).view(t.dtype)
+                    if t.dtype == torch.uint8
+                    else torch.randn(t.shape).to(t.dtype)
+                )
         copier = make_copier(cache, pool)
-        dev_flat = (torch.empty(capacity * spec.block_bytes, dtype=torch.uint8, device="cuda")
-                    if cuda else cache.segment[4096 : 4096 + capacity * spec.block_bytes])
+        dev_flat = (
+            torch.empty(capacity * spec.block_bytes, dtype=torch.uint8, device="cuda")
+            if cuda
+            else cache.segment[4096 : 4096 + capacity * spec.block_bytes]
+        )
         dev_flat.fill_(1)
         host_flat = pool.slab.view(-1)
         for n in counts:
@@ -84,30 +101,46 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
             _verify(cache, pool, dev_ids, host_ids)
             for direction in ("swap_out", "swap_in"):
                 if direction == "swap_out":
+
                     def op(d=dev_ids, h=host_ids):
                         copier.swap_out(d, h)
+
                     def limit(b=nbytes):
                         host_flat[:b].copy_(dev_flat[:b], non_blocking=cuda)
                 else:
+
                     def op(d=dev_ids, h=host_ids):
                         copier.swap_in(h, d)
+
                     def limit(b=nbytes):
                         dev_flat[:b].copy_(host_flat[:b], non_blocking=cuda)
+
                 t = median_seconds(op, args.runs, sync)
                 t_limit = median_seconds(limit, args.runs, sync)
-                t_loop = median_seconds(_loop(cache, pool, dev_ids, host_ids, direction, cuda),
-                                        args.runs, sync)
-                rows.append({
-                    "device": args.device, "block_size": block_size, "num_blocks": n,
-                    "num_layers": args.layers, "block_bytes": spec.block_bytes,
-                    "direction": direction, "bytes": nbytes,
-                    "gbps": gbps(nbytes, t), "limit_gbps": gbps(nbytes, t_limit),
-                    "loop_gbps": gbps(nbytes, t_loop),
-                    "ratio_to_limit": t_limit / t, "speedup_vs_loop": t_loop / t,
-                    "runs": args.runs,
-                })
-                progress(f"  N={n:5d} {direction:8s} {rows[-1]['gbps']:.2f} GB/s "
-                         f"(limit {rows[-1]['limit_gbps']:.2f})")
+                t_loop = median_seconds(
+                    _loop(cache, pool, dev_ids, host_ids, direction, cuda), args.runs, sync
+                )
+                rows.append(
+                    {
+                        "device": args.device,
+                        "block_size": block_size,
+                        "num_blocks": n,
+                        "num_layers": args.layers,
+                        "block_bytes": spec.block_bytes,
+                        "direction": direction,
+                        "bytes": nbytes,
+                        "gbps": gbps(nbytes, t),
+                        "limit_gbps": gbps(nbytes, t_limit),
+                        "loop_gbps": gbps(nbytes, t_loop),
+                        "ratio_to_limit": t_limit / t,
+                        "speedup_vs_loop": t_loop / t,
+                        "runs": args.runs,
+                    }
+                )
+                progress(
+                    f"  N={n:5d} {direction:8s} {rows[-1]['gbps']:.2f} GB/s "
+                    f"(limit {rows[-1]['limit_gbps']:.2f})"
+                )
         copier.close()
     return rows
 
@@ -117,7 +150,9 @@ def _verify(cache: DeviceCache, pool: HostPool, dev_ids, host_ids) -> None:
     for d, h in list(zip(dev_ids.tolist(), host_ids.tolist()))[:8]:
         for layer in range(spec.total_layers):
             for part in spec.parts:
-                if not torch.equal(pool.piece(h, layer, part).cpu(), cache.tensor(layer, part)[d].cpu()):
+                if not torch.equal(
+                    pool.piece(h, layer, part).cpu(), cache.tensor(layer, part)[d].cpu()
+                ):
                     raise SystemExit(f"bench copy: wrong bytes in block {d} layer {layer} {part}")
 
 
@@ -131,7 +166,8 @@ def _loop(cache: DeviceCache, pool: HostPool, dev_ids, host_ids, direction: str,
     for piece in spec.pieces:
         raw = pool.slab[:, piece.offset_bytes : piece.offset_bytes + piece.size_bytes]
         host = raw.view(spec.torch_dtype(piece.part)).view(
-            spec.part_shape(piece.part, pool.num_blocks))
+            spec.part_shape(piece.part, pool.num_blocks)
+        )
         views.append((cache.tensor(piece.layer, piece.part), host))
 
     def loop():
@@ -141,6 +177,7 @@ def _loop(cache: DeviceCache, pool: HostPool, dev_ids, host_ids, direction: str,
                     host[h].copy_(dev[d], non_blocking=cuda)
                 else:
                     dev[d].copy_(host[h], non_blocking=cuda)
+
     return loop
 
 
@@ -156,8 +193,10 @@ def report(args: argparse.Namespace) -> int:
     if args.json:
         print_json_rows(rows)
     else:
-        print(f"kvtier bench copy ({args.device}, bfloat16, {args.heads} heads, head_dim "
-              f"{args.head_dim}, {args.layers} layers, K+V; median of {args.runs} runs)")
+        print(
+            f"kvtier bench copy ({args.device}, bfloat16, {args.heads} heads, head_dim "
+            f"{args.head_dim}, {args.layers} layers, K+V; median of {args.runs} runs)"
+        )
         print_table(rows, COLUMNS)
     return 0
 

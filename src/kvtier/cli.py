@@ -22,8 +22,14 @@ from kvtier.spec import KVCacheSpec
 
 def _demo(args: argparse.Namespace) -> int:
     """A swap round trip through a shared-memory device cache and a host pool, verified."""
-    spec = KVCacheSpec(num_layers=args.layers, num_blocks=args.device_blocks, num_kv_heads=8,
-                       block_size=args.block_size, head_dim=128, dtype=args.dtype)
+    spec = KVCacheSpec(
+        num_layers=args.layers,
+        num_blocks=args.device_blocks,
+        num_kv_heads=8,
+        block_size=args.block_size,
+        head_dim=128,
+        dtype=args.dtype,
+    )
     rng = np.random.default_rng(args.seed)
     name = cache_name(f"demo{uuid.uuid4().hex[:8]}", 0)
     n = min(args.blocks, spec.num_blocks, args.host_blocks)
@@ -31,8 +37,11 @@ def _demo(args: argparse.Namespace) -> int:
         gen = torch.Generator().manual_seed(args.seed)
         for row in cache.tensors:
             for t in row:
-                t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                        dtype=torch.uint8, generator=gen))
+                t.view(torch.uint8).copy_(
+                    torch.randint(
+                        0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen
+                    )
+                )
         copier = make_copier(cache, pool)
         dev_ids = rng.permutation(spec.num_blocks)[:n]
         host_ids = rng.permutation(pool.num_blocks)[:n]
@@ -47,7 +56,9 @@ def _demo(args: argparse.Namespace) -> int:
         moved_in = copier.swap_in(host_ids, dev_ids)
         t_in = time.perf_counter() - t0
         verified = sum(
-            int(torch.equal(t[int(d)].view(torch.uint8), expected[layer][part][i].view(torch.uint8)))
+            int(
+                torch.equal(t[int(d)].view(torch.uint8), expected[layer][part][i].view(torch.uint8))
+            )
             for layer, row in enumerate(cache.tensors)
             for part, t in enumerate(row)
             for i, d in enumerate(dev_ids.tolist())
@@ -55,23 +66,35 @@ def _demo(args: argparse.Namespace) -> int:
         pieces = n * spec.total_layers * len(spec.parts)
         copier.close()
     result = {
-        "spec": spec.to_dict(), "fingerprint": spec.fingerprint, "blocks": n,
-        "block_bytes": spec.block_bytes, "swap_out_bytes": moved_out, "swap_in_bytes": moved_in,
-        "swap_out_gbps": moved_out / t_out / 1e9, "swap_in_gbps": moved_in / t_in / 1e9,
-        "pieces_verified": verified, "pieces_total": pieces,
+        "spec": spec.to_dict(),
+        "fingerprint": spec.fingerprint,
+        "blocks": n,
+        "block_bytes": spec.block_bytes,
+        "swap_out_bytes": moved_out,
+        "swap_in_bytes": moved_in,
+        "swap_out_gbps": moved_out / t_out / 1e9,
+        "swap_in_gbps": moved_in / t_in / 1e9,
+        "pieces_verified": verified,
+        "pieces_total": pieces,
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(f"kvtier demo: swap round trip through shared-memory device cache {name}")
-        print(f"  layout   {spec.num_layers} layers x K,V x {spec.num_kv_heads} heads x "
-              f"{spec.block_size} tokens x {spec.head_dim} {spec.dtype.value} "
-              f"= {spec.block_bytes >> 10} KiB per block (fingerprint {spec.fingerprint})")
-        print(f"  swap_out {n} random device blocks -> host: {moved_out / 2**20:.1f} MiB "
-              f"in {t_out * 1e3:.2f} ms ({result['swap_out_gbps']:.2f} GB/s)")
+        print(
+            f"  layout   {spec.num_layers} layers x K,V x {spec.num_kv_heads} heads x "
+            f"{spec.block_size} tokens x {spec.head_dim} {spec.dtype.value} "
+            f"= {spec.block_bytes >> 10} KiB per block (fingerprint {spec.fingerprint})"
+        )
+        print(
+            f"  swap_out {n} random device blocks -> host: {moved_out / 2**20:.1f} MiB "
+            f"in {t_out * 1e3:.2f} ms ({result['swap_out_gbps']:.2f} GB/s)"
+        )
         print("  scribbled over the device blocks")
-        print(f"  swap_in  host -> the same device blocks: {moved_in / 2**20:.1f} MiB "
-              f"in {t_in * 1e3:.2f} ms ({result['swap_in_gbps']:.2f} GB/s)")
+        print(
+            f"  swap_in  host -> the same device blocks: {moved_in / 2**20:.1f} MiB "
+            f"in {t_in * 1e3:.2f} ms ({result['swap_in_gbps']:.2f} GB/s)"
+        )
         print(f"  integrity: {verified} of {pieces} (block, layer, part) pieces verified")
     return 0 if verified == pieces else 1
 
@@ -81,8 +104,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtier", description="Move LLM KV-cache blocks between "
-                                "device memory, a host pool and storage.")
+    p = argparse.ArgumentParser(
+        prog="kvtier",
+        description="Move LLM KV-cache blocks between device memory, a host pool and storage.",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = p.add_subparsers(dest="command", required=True)
 

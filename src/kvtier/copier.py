@@ -30,7 +30,7 @@ STAGING_BYTES = 256 << 20
 
 
 class BlockCopier(ABC):
-    """Moves whole blocks (all layers, all parts, extra layers) between a DeviceCache and a HostPool.
+    """Moves whole blocks (all layers and parts, extra layers too) between device and host.
 
     Contract, for every implementation:
     - ``swap_out(device_block_ids, host_block_ids)`` copies device block ``d[i]`` into host block
@@ -106,7 +106,9 @@ def as_block_ids(ids: BlockIds, what: str) -> np.ndarray:
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidBlockIds(f"{what} must be a flat list of integers, got {arr.dtype} {arr.shape}")
+        raise InvalidBlockIds(
+            f"{what} must be a flat list of integers, got {arr.dtype} {arr.shape}"
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -126,19 +128,26 @@ class CpuBlockCopier(BlockCopier):
     vectorized numpy from the device cache's piece table; ids were validated first.
     """
 
-    def __init__(self, device_cache: DeviceCache, host_pool: HostPool, num_threads: int | None = None):
+    def __init__(
+        self, device_cache: DeviceCache, host_pool: HostPool, num_threads: int | None = None
+    ):
         super().__init__(device_cache, host_pool)
         if _copy is None:
             raise RuntimeError("kvtier._copy is not built; use TorchBlockCopier")
         self.num_threads = num_threads or max(1, torch.get_num_threads())
         self._host_offsets = np.array([p.offset_bytes for p in self.spec.pieces], dtype=np.int64)
 
-    def _pointers(self, dev: np.ndarray, host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pointers(
+        self, dev: np.ndarray, host: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         base, stride, size = self.device_cache.piece_table()
         # Block-major order: consecutive pieces of one host block are adjacent in memory.
         dev_ptrs = base[None, :] + dev[:, None] * stride[None, :]
-        host_ptrs = (self.host_pool.base_address + host[:, None] * self.host_pool.block_bytes
-                     + self._host_offsets[None, :])
+        host_ptrs = (
+            self.host_pool.base_address
+            + host[:, None] * self.host_pool.block_bytes
+            + self._host_offsets[None, :]
+        )
         sizes = np.broadcast_to(size[None, :], dev_ptrs.shape)
         return dev_ptrs.ravel(), host_ptrs.ravel(), np.ascontiguousarray(sizes).ravel()
 
@@ -163,9 +172,13 @@ class _StagedCopier(BlockCopier):
     staging buffer.
     """
 
-    def __init__(self, device_cache: DeviceCache, host_pool: HostPool, staging_device: torch.device):
+    def __init__(
+        self, device_cache: DeviceCache, host_pool: HostPool, staging_device: torch.device
+    ):
         super().__init__(device_cache, host_pool)
-        self.chunk_blocks = max(1, min(STAGING_BYTES // self.spec.block_bytes, host_pool.num_blocks))
+        self.chunk_blocks = max(
+            1, min(STAGING_BYTES // self.spec.block_bytes, host_pool.num_blocks)
+        )
         self.staging = torch.zeros(
             (self.chunk_blocks, self.spec.block_bytes), dtype=torch.uint8, device=staging_device
         )
@@ -256,7 +269,9 @@ class CudaBlockCopier(_StagedCopier):
 
     def __init__(self, device_cache: DeviceCache, host_pool: HostPool):
         if not host_pool.pinned:
-            log.warning("host pool is not pinned: device<->host copies will be slow and synchronous")
+            log.warning(
+                "host pool is not pinned: device<->host copies will be slow and synchronous"
+            )
         super().__init__(device_cache, host_pool, device_cache.device)
         self.stream = torch.cuda.Stream(device=device_cache.device)
 

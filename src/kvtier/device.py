@@ -141,7 +141,9 @@ class DeviceCache:
     # ---- construction -----------------------------------------------------------------------
 
     @classmethod
-    def create(cls, spec: KVCacheSpec, name: str, device: str | torch.device = "cpu") -> DeviceCache:
+    def create(
+        cls, spec: KVCacheSpec, name: str, device: str | torch.device = "cpu"
+    ) -> DeviceCache:
         """Allocate the cache, zero it, and publish it under ``name`` (this process owns it)."""
         _check_name(name)
         dev = torch.device(device)
@@ -150,12 +152,19 @@ class DeviceCache:
         try:
             if dev.type == "cpu":
                 tensors, segment = _create_cpu(spec, fd, path)
-                cache = cls(spec, tensors, mode=CacheMode.OWNER, name=name, lock_fd=fd,
-                            segment=segment)
+                cache = cls(
+                    spec, tensors, mode=CacheMode.OWNER, name=name, lock_fd=fd, segment=segment
+                )
             elif dev.type == "cuda":
                 tensors = [
-                    [torch.zeros(spec.part_shape(p, spec.layer_num_blocks(layer)),
-                                 dtype=spec.torch_dtype(p), device=dev) for p in spec.parts]
+                    [
+                        torch.zeros(
+                            spec.part_shape(p, spec.layer_num_blocks(layer)),
+                            dtype=spec.torch_dtype(p),
+                            device=dev,
+                        )
+                        for p in spec.parts
+                    ]
                     for layer in range(spec.total_layers)
                 ]
                 _write_cuda_handles(fd, spec, tensors)
@@ -214,7 +223,9 @@ class DeviceCache:
             tensors.append(row)
         devices = {t.device for row in tensors for t in row}
         if len(devices) != 1:
-            raise LayoutMismatch(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+            raise LayoutMismatch(
+                f"all tensors must be on one device, got {sorted(map(str, devices))}"
+            )
         return cls(spec, tensors, mode=CacheMode.WRAPPED)
 
     def publish(self, name: str) -> None:
@@ -280,10 +291,14 @@ class DeviceCache:
         if self._tensors is not None:
             return
         if self.mode is CacheMode.WRAPPED and self._published_path is None:
-            raise DeviceCacheError("a wrapped cache cannot re-attach: wrap the engine's tensors again")
+            raise DeviceCacheError(
+                "a wrapped cache cannot re-attach: wrap the engine's tensors again"
+            )
         assert self.name is not None
         path = self._published_path or _find_published(self.name, self.device.type)
-        self._tensors, self._segment = _attach_path(self.spec, self.name, path, check_owner=self._lock_fd is None)
+        self._tensors, self._segment = _attach_path(
+            self.spec, self.name, path, check_owner=self._lock_fd is None
+        )
         self._piece_table = None
         self.generation += 1
 
@@ -382,7 +397,9 @@ def _check_spec(spec: KVCacheSpec, meta: dict[str, Any], name: str) -> None:
         )
 
 
-def _create_cpu(spec: KVCacheSpec, fd: int, path: Path) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+def _create_cpu(
+    spec: KVCacheSpec, fd: int, path: Path
+) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
     layout = _cpu_offsets(spec)
     total = _align(layout[-1][2] + layout[-1][3])
     os.ftruncate(fd, total)
@@ -400,7 +417,9 @@ def _cpu_views(spec: KVCacheSpec, segment: torch.Tensor) -> list[list[torch.Tens
     tensors: list[list[torch.Tensor]] = [[] for _ in range(spec.total_layers)]
     for layer, part, offset, nbytes in _cpu_offsets(spec):
         raw = segment[offset : offset + nbytes]
-        view = raw.view(spec.torch_dtype(part)).view(spec.part_shape(part, spec.layer_num_blocks(layer)))
+        view = raw.view(spec.torch_dtype(part)).view(
+            spec.part_shape(part, spec.layer_num_blocks(layer))
+        )
         tensors[layer].append(view)
     return tensors
 
@@ -430,7 +449,9 @@ def _attach_path(
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        raise DeviceCacheError(f"device cache {name!r} is gone ({path}); its owner closed it") from None
+        raise DeviceCacheError(
+            f"device cache {name!r} is gone ({path}); its owner closed it"
+        ) from None
     try:
         if check_owner:
             try:

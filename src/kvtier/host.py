@@ -52,8 +52,9 @@ class HostPool:
             self._path = SHM_DIR / f"{shared_name}.hostpool"
             self._lock_fd = _open_exclusive(self._path, shared_name)
             os.ftruncate(self._lock_fd, self.size_bytes)
-            flat = torch.from_file(str(self._path), shared=True, size=self.size_bytes,
-                                   dtype=torch.uint8)
+            flat = torch.from_file(
+                str(self._path), shared=True, size=self.size_bytes, dtype=torch.uint8
+            )
             if want_pin:
                 self.pinned = _register_pinned(flat)
         elif want_pin:
@@ -65,8 +66,11 @@ class HostPool:
         self.slab = flat.view(num_blocks, self.block_bytes)
         log.info(
             "host pool: %d blocks x %d bytes = %.2f GiB%s%s",
-            num_blocks, self.block_bytes, self.size_bytes / 2**30,
-            ", pinned" if self.pinned else "", f", shared as {shared_name}" if shared_name else "",
+            num_blocks,
+            self.block_bytes,
+            self.size_bytes / 2**30,
+            ", pinned" if self.pinned else "",
+            f", shared as {shared_name}" if shared_name else "",
         )
 
     @classmethod
@@ -86,7 +90,11 @@ class HostPool:
             )
         pool = cls.__new__(cls)
         pool.spec, pool.num_blocks, pool.block_bytes, pool.size_bytes = (
-            spec, num_blocks, spec.block_bytes, want)
+            spec,
+            num_blocks,
+            spec.block_bytes,
+            want,
+        )
         pool._lock_fd, pool._path, pool.pinned = None, None, False
         flat = torch.from_file(str(path), shared=True, size=want, dtype=torch.uint8)
         pool.slab = flat.view(num_blocks, spec.block_bytes)
