@@ -1,0 +1,66 @@
+"""Shared fixtures: unique shared-memory names, spec zoo, random fills."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from kvtier.device import SHM_DIR, DeviceCache, cache_name
+from kvtier.spec import KVCacheSpec
+
+SPECS = {
+    "bf16": KVCacheSpec(num_layers=3, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64),
+    "fp16": KVCacheSpec(
+        num_layers=2, num_blocks=33, num_kv_heads=4, block_size=8, head_dim=32, dtype="float16"
+    ),
+    "fp8": KVCacheSpec(
+        num_layers=2,
+        num_blocks=24,
+        num_kv_heads=2,
+        block_size=16,
+        head_dim=64,
+        dtype="block_wise_fp8",
+    ),
+    "mla": KVCacheSpec(
+        num_layers=3, num_blocks=20, num_kv_heads=1, block_size=16, head_dim=96, has_value=False
+    ),
+    "extra": KVCacheSpec(
+        num_layers=2,
+        num_blocks=30,
+        num_kv_heads=2,
+        block_size=16,
+        head_dim=32,
+        num_extra_layers=1,
+        num_extra_blocks=45,
+    ),
+}
+
+
+@pytest.fixture(params=sorted(SPECS))
+def spec(request) -> KVCacheSpec:
+    return SPECS[request.param]
+
+
+@pytest.fixture
+def name() -> str:
+    """A device-cache name no other test (or engine) uses; checks nothing is left behind."""
+    n = cache_name(f"t{uuid.uuid4().hex[:10]}", 0)
+    yield n
+    leftovers = sorted(p.name for p in SHM_DIR.glob(f"{n}*"))
+    assert not leftovers, f"left in {SHM_DIR}: {leftovers}"
+
+
+def fill_random(cache: DeviceCache, seed: int = 0) -> None:
+    """Random bytes in every tensor (viewed as uint8, so fp8/NaN patterns are covered too)."""
+    gen = torch.Generator().manual_seed(seed)
+    for row in cache.tensors:
+        for t in row:
+            raw = t.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def block_bytes_of(cache: DeviceCache, block: int) -> list[torch.Tensor]:
+    """Copies of every (layer, part) of one device block, as raw bytes."""
+    return [t[block].view(torch.uint8).clone() for row in cache.tensors for t in row]

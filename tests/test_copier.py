@@ -1,0 +1,182 @@
+"""BlockCopier: real bytes round-trip through every layer and part, bad input is refused."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import procs
+from conftest import SPECS, block_bytes_of, fill_random
+from kvtier.copier import CpuBlockCopier, TorchBlockCopier, make_copier
+from kvtier.device import DeviceCache, cache_name
+from kvtier.errors import DeviceCacheDetached, InvalidBlockIds
+from kvtier.host import HostPool
+from kvtier.spec import KVCacheSpec
+
+COPIERS = {"native": CpuBlockCopier, "torch": TorchBlockCopier}
+
+
+@pytest.fixture(params=sorted(COPIERS))
+def copier_cls(request):
+    return COPIERS[request.param]
+
+
+def _round_trip(cache: DeviceCache, copier, dev_ids, host_ids) -> None:
+    """swap_out, scribble over the device blocks, swap_in, compare every byte."""
+    expected = {d: block_bytes_of(cache, d) for d in dev_ids}
+    assert copier.swap_out(dev_ids, host_ids) == len(dev_ids) * cache.spec.block_bytes
+    for row in cache.tensors:
+        for t in row:
+            for d in dev_ids:
+                t[d].view(torch.uint8).fill_(0xEE)
+    assert copier.swap_in(host_ids, dev_ids) == len(dev_ids) * cache.spec.block_bytes
+    for d in dev_ids:
+        for want, got in zip(expected[d], block_bytes_of(cache, d), strict=True):
+            assert torch.equal(want, got), f"device block {d}"
+
+
+def test_round_trip_every_layout(spec: KVCacheSpec, copier_cls, name: str) -> None:
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 16) as pool:
+        fill_random(cache, seed=1)
+        copier = copier_cls(cache, pool)
+        n = spec.usable_num_blocks
+        dev_ids = [0, n - 1, 5, 6, 7, 3]  # first, last, a run, out of order
+        host_ids = [15, 0, 3, 4, 5, 9]
+        _round_trip(cache, copier, dev_ids, host_ids)
+        # The host blocks hold the page-first image of the device blocks.
+        for d, h in zip(dev_ids, host_ids):
+            for piece in spec.pieces:
+                assert torch.equal(
+                    pool.piece(h, piece.layer, piece.part).view(torch.uint8),
+                    cache.tensor(piece.layer, piece.part)[d].view(torch.uint8),
+                )
+        copier.close()
+
+
+def test_swap_in_to_other_blocks_and_extra_layers(copier_cls, name: str) -> None:
+    spec = SPECS["extra"]  # extra layer has 45 blocks, main layers 30
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 8) as pool:
+        fill_random(cache, seed=2)
+        copier = copier_cls(cache, pool)
+        src = block_bytes_of(cache, 29)
+        copier.swap_out([29], [7])
+        copier.swap_in([7], [0])
+        assert all(torch.equal(a, b) for a, b in zip(src, block_bytes_of(cache, 0)))
+        with pytest.raises(InvalidBlockIds, match="device block id 30 out of range 0..29"):
+            copier.swap_out([30], [0])
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_valid_id_lists_round_trip(data, copier_cls) -> None:
+    spec = SPECS["fp8"]
+    name = cache_name(f"hyp{np.random.default_rng().integers(1 << 40):x}", 0)
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 12) as pool:
+        fill_random(cache, seed=data.draw(st.integers(0, 100)))
+        k = data.draw(st.integers(0, min(spec.num_blocks, pool.num_blocks)))
+        dev_ids = data.draw(st.permutations(range(spec.num_blocks)))[:k]
+        host_ids = data.draw(st.permutations(range(pool.num_blocks)))[:k]
+        as_type = data.draw(st.sampled_from([list, np.array, torch.tensor]))
+        copier = copier_cls(cache, pool)
+        expected = {d: block_bytes_of(cache, d) for d in dev_ids}
+        copier.swap_out(as_type(dev_ids) if k else [], as_type(host_ids) if k else [])
+        targets = data.draw(st.permutations(range(spec.num_blocks)))[:k]
+        copier.swap_in(host_ids, targets)
+        for d, t in zip(dev_ids, targets):
+            assert all(torch.equal(a, b) for a, b in zip(expected[d], block_bytes_of(cache, t)))
+
+
+@pytest.mark.parametrize(
+    ("dev", "host", "message"),
+    [
+        ([1, 2], [1], "device_block_ids has 2 ids but host_block_ids has 1"),
+        ([40], [0], "device block id 40 out of range 0..39"),
+        ([-1], [0], "device block id -1 out of range"),
+        ([0], [8], "host block id 8 out of range 0..7"),
+        ([0, 1], [3, 3], "host block id 3 appears twice"),
+        ([[0, 1]], [[2, 3]], "must be a flat list of integers"),
+        ([0.5], [1], "must be a flat list of integers"),
+        (["a"], [1], "must be a flat list of integers"),
+    ],
+)
+def test_bad_swap_out_input(dev, host, message, name: str) -> None:
+    spec = SPECS["bf16"]
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 8) as pool:
+        fill_random(cache)
+        copier = make_copier(cache, pool)
+        with pytest.raises(InvalidBlockIds, match=message):
+            copier.swap_out(dev, host)
+        assert int(pool.slab.max()) == 0  # nothing moved
+
+
+def test_bad_swap_in_input(name: str) -> None:
+    spec = SPECS["bf16"]
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 8) as pool:
+        copier = make_copier(cache, pool)
+        pool.slab.fill_(9)
+        with pytest.raises(InvalidBlockIds, match="device block id 4 appears twice"):
+            copier.swap_in([0, 1], [4, 4])
+        copier.swap_in([0, 1], [4, 4][:1] + [5])  # duplicates in the *source* are allowed
+        copier.swap_in([1, 1], [6, 7])
+        assert copier.swap_in([], []) == 0
+        assert int(cache.tensor(0, spec.parts[0])[0].view(torch.uint8).max()) == 0
+        cache.detach()
+        with pytest.raises(DeviceCacheDetached):
+            copier.swap_in([0], [0])
+
+
+def test_copier_refuses_mismatched_pool(name: str) -> None:
+    cache, pool = DeviceCache.create(SPECS["bf16"], name), HostPool(SPECS["fp16"], 2)
+    with cache, pool, pytest.raises(InvalidBlockIds, match="different specs"):
+        make_copier(cache, pool)
+
+
+def test_large_batch_uses_threads_and_stays_correct(name: str) -> None:
+    spec = KVCacheSpec(num_layers=4, num_blocks=64, num_kv_heads=8, block_size=16, head_dim=128)
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 64) as pool:
+        fill_random(cache, seed=4)
+        copier = make_copier(cache, pool, num_threads=2)
+        assert 64 * spec.block_bytes > (4 << 20)  # above the threshold for a second thread
+        rng = np.random.default_rng(0)
+        _round_trip(cache, copier, list(rng.permutation(64)), list(rng.permutation(64)))
+
+
+def test_other_process_attaches_and_swaps(name: str) -> None:
+    spec = SPECS["fp8"]
+    with DeviceCache.create(spec, name) as cache:
+        fill_random(cache, seed=5)
+        src = block_bytes_of(cache, 11)
+        with mp.get_context("spawn").Pool(1) as p:
+            p.apply(procs.attach_and_move_block, (spec.to_dict(), name, 11, 20))
+        assert all(torch.equal(a, b) for a, b in zip(src, block_bytes_of(cache, 20)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+def test_cuda_round_trip(spec_name: str, name: str) -> None:
+    spec = SPECS[spec_name]
+    with DeviceCache.create(spec, name, device="cuda") as cache, HostPool(spec, 16) as pool:
+        assert pool.pinned
+        fill_random_cuda(cache)
+        copier = make_copier(cache, pool)
+        n = spec.usable_num_blocks
+        _round_trip(cache, copier, [0, n - 1, 5, 6, 7, 3], [15, 0, 3, 4, 5, 9])
+        copier.close()
+
+
+def fill_random_cuda(cache: DeviceCache) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for row in cache.tensors:
+        for t in row:
+            raw = t.view(torch.uint8)
+            raw.copy_(
+                torch.randint(0, 256, raw.shape, dtype=torch.uint8, device="cuda", generator=gen)
+            )

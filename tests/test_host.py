@@ -1,0 +1,62 @@
+"""HostPool: page-first layout, pre-touched slab, shared backing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+
+import pytest
+import torch
+
+import procs
+from conftest import SPECS
+from kvtier.device import SHM_DIR
+from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
+from kvtier.host import HostPool
+from kvtier.spec import KVCacheSpec
+
+
+def test_page_first_layout(spec: KVCacheSpec) -> None:
+    with HostPool(spec, 5) as pool:
+        assert pool.slab.shape == (5, spec.block_bytes)
+        assert int(pool.slab.max()) == 0  # pre-touched with zeros
+        assert not pool.pinned  # no CUDA on this machine
+        for piece in spec.pieces:
+            view = pool.piece(3, piece.layer, piece.part)
+            assert view.dtype == spec.torch_dtype(piece.part)
+            assert tuple(view.shape) == spec.part_shape(piece.part, 1)[1:]
+            view.view(torch.uint8).fill_(piece.layer * 10 + spec.parts.index(piece.part) + 1)
+        # Block 3 is one contiguous run: layer 0 K, layer 0 V, [scales], layer 1 K, ...
+        raw = pool.block(3)
+        for piece in spec.pieces:
+            chunk = raw[piece.offset_bytes : piece.offset_bytes + piece.size_bytes]
+            assert torch.all(chunk == piece.layer * 10 + spec.parts.index(piece.part) + 1)
+        assert int(pool.slab[2].max()) == 0 and int(pool.slab[4].max()) == 0
+        assert pool.block_address(3) == pool.base_address + 3 * spec.block_bytes
+        mv = pool.memoryview(3)
+        assert len(mv) == spec.block_bytes and mv[0] == 1
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="num_host_blocks"):
+        HostPool(SPECS["bf16"], 0)
+    with (
+        HostPool(SPECS["bf16"], 2) as pool,
+        pytest.raises(InvalidBlockIds, match="host block id 2"),
+    ):
+        pool.block(2)
+
+
+def test_shared_backing_is_readable_from_another_process() -> None:
+    spec = SPECS["mla"]
+    shared = f"kvtier-t{uuid.uuid4().hex[:8]}-pool"
+    with HostPool(spec, 4, shared_name=shared) as pool:
+        pool.block(1).copy_(torch.arange(spec.block_bytes, dtype=torch.int64).to(torch.uint8))
+        with mp.get_context("spawn").Pool(1) as p:
+            data = p.apply(procs.read_shared_pool, (spec.to_dict(), shared, 4, 1))
+        assert data == bytes(pool.block(1).numpy())
+        with pytest.raises(DeviceCacheError, match="holds"):
+            HostPool.open_shared(spec, shared, 5)
+    assert not (SHM_DIR / f"{shared}.hostpool").exists()
+    with pytest.raises(DeviceCacheError, match="no host pool"):
+        HostPool.open_shared(spec, shared, 4)
