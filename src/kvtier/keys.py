@@ -1,0 +1,156 @@
+"""Block keys: chained SHA-256 block hashes, the storage key scheme, and the weight version.
+
+Hash encoding (version 1), for each *full* block of ``block_size`` tokens::
+
+    sha256( b"kvtier-block-v1\\0"
+            + parent            # 32 bytes: the previous block's hash, or 32 zero bytes
+            + u32le(block_size)
+            + token ids         # block_size x int64, little-endian
+            + u32le(len(extra)) + for each extra key: u32le(len(item)) + item bytes )
+
+Extra keys are per block (multimodal item hashes, a LoRA name, a cache salt): ``str`` items are
+UTF-8 encoded, ``bytes`` taken as they are. A trailing partial block has no hash. Hashes are the
+full 32 bytes and are never truncated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+HASH_BYTES = 32
+ROOT_PARENT = bytes(HASH_BYTES)
+_DOMAIN = b"kvtier-block-v1\0"
+KEY_SCHEME = "kv1"
+VERSION_FILE = "version.yaml"
+_VERSION_RE = re.compile(r"^(RL-STEP\d+)(?:-|$)")
+_warned_version_paths: set[str] = set()
+
+ExtraKey = bytes | str
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: bytes | None = None,
+    extra: Sequence[Sequence[ExtraKey]] = (),
+) -> list[bytes]:
+    """One chained SHA-256 per full block of ``token_ids``.
+
+    ``parent`` is the hash of the block before ``token_ids[0]`` (None at the start of a
+    sequence). ``extra``, when given, holds one sequence of extra keys per full block.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError("block_size", f"must be a positive integer, got {block_size!r}")
+    if parent is None:
+        parent = ROOT_PARENT
+    if len(parent) != HASH_BYTES:
+        raise ConfigError("parent", f"must be a {HASH_BYTES}-byte block hash, got {len(parent)}")
+    tokens = np.asarray(token_ids)
+    if tokens.size and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
+        raise ConfigError("token_ids", "must be a flat sequence of integers")
+    encoded = tokens.astype("<i8", copy=False).tobytes()
+    num_full = tokens.size // block_size
+    if extra and len(extra) != num_full:
+        raise ConfigError("extra", f"need one entry per full block ({num_full}), got {len(extra)}")
+    step = block_size * 8
+    size_field = struct.pack("<I", block_size)
+    hashes = []
+    for i in range(num_full):
+        h = hashlib.sha256(_DOMAIN)
+        h.update(parent)
+        h.update(size_field)
+        h.update(encoded[i * step : (i + 1) * step])
+        items = extra[i] if extra else ()
+        h.update(struct.pack("<I", len(items)))
+        for item in items:
+            raw = item.encode() if isinstance(item, str) else bytes(item)
+            h.update(struct.pack("<I", len(raw)))
+            h.update(raw)
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """Everything in a storage key except the block hash: one place builds every key.
+
+    ``namespace`` names the model (any text without ':' or whitespace), ``version`` the weights
+    (empty until one is known), ``fingerprint`` the layout (KVCacheSpec.fingerprint), ``rank``
+    the tensor-parallel rank whose shard the object holds.
+    """
+
+    namespace: str
+    fingerprint: str
+    rank: int = 0
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("namespace", "version", "fingerprint"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or re.search(r"[:\s]", value):
+                raise ConfigError(field, f"must be text without ':' or whitespace, got {value!r}")
+        if not self.namespace:
+            raise ConfigError("namespace", "must not be empty (use the model id)")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError("rank", f"must be an integer >= 0, got {self.rank!r}")
+
+    def key(self, block_hash: bytes) -> str:
+        """``kv1:{namespace}:{version}:{fingerprint}:{hash hex}:{rank}``."""
+        if len(block_hash) != HASH_BYTES:
+            raise ConfigError("block_hash", f"must be {HASH_BYTES} bytes, got {len(block_hash)}")
+        return ":".join(
+            (
+                KEY_SCHEME,
+                self.namespace,
+                self.version,
+                self.fingerprint,
+                block_hash.hex(),
+                str(self.rank),
+            )
+        )
+
+    def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        return [self.key(h) for h in block_hashes]
+
+    def with_version(self, version: str) -> KeyScheme:
+        return KeyScheme(self.namespace, self.fingerprint, self.rank, version)
+
+
+def read_weight_version(model_dir: str | Path | None) -> str:
+    """The weight version from ``<model_dir>/version.yaml`` (``RL-STEP{n}-...`` -> ``RL-STEP{n}``).
+
+    A missing or malformed file gives ``""`` and one warning per file.
+    """
+    if model_dir is None:
+        return ""
+    path = Path(model_dir) / VERSION_FILE
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        text = str(data["version"]).strip()
+        match = _VERSION_RE.match(text)
+        if not match:
+            raise ValueError(f"version {text!r} is not RL-STEP<n>-<timestamp>-<uuid>")
+        return match.group(1)
+    except FileNotFoundError:
+        problem = "missing"
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+        problem = f"malformed ({e})"
+    if str(path) not in _warned_version_paths:
+        _warned_version_paths.add(str(path))
+        log.warning("weight version file %s is %s: using an empty version", path, problem)
+    return ""

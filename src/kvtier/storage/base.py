@@ -1,0 +1,165 @@
+"""StorageBackend: the batch-first contract every storage tier implements.
+
+Contract (implementations do not repeat it):
+
+- Keys are strings from ``kvtier.keys.KeyScheme``; an object is immutable once stored.
+- ``host_blocks`` are uint8 tensors of exactly ``spec.block_bytes`` bytes, normally
+  ``HostPool.block(i)`` views. The caller owns them; a backend reads them during ``put_from``
+  and writes them during ``get_into`` and keeps no reference afterwards. ``get_into`` may
+  scribble on the block of a key it reports False: callers use only blocks reported True.
+- ``exists_prefix(keys)`` -> how many *leading* keys are stored (stops at the first hole).
+- ``get_into(keys, host_blocks)`` -> one bool per key: True iff that block now holds exactly the
+  bytes that were stored. Missing, evicted, truncated, corrupted (checksum), written under
+  another layout (fingerprint) or under another key: False — a miss, never wrong data. A
+  detected bad object is counted in ``stats.corrupt``, logged once and removed. Callers take
+  the leading run of True.
+- ``put_from(keys, host_blocks)`` -> one bool per key: True iff the object is now stored
+  (including when it already was: a put of an existing key is a no-op and keeps the old
+  object). A failed or interrupted put is never visible to ``exists_prefix`` or ``get_into``.
+- ``delete(keys)`` -> number of objects removed; missing keys are ignored.
+- ``usage()`` -> StorageUsage; ``close()`` releases everything; backends are context managers.
+- Every method is thread-safe. A backend that cannot be reached at all raises
+  ``StorageUnavailable`` (callers answer "0 blocks" and carry on); per-key failures are False,
+  not exceptions. Bad arguments (length mismatch, wrong block size) raise ``StorageError``.
+- ``read_object`` / ``write_object`` give raw access to the stored bytes (header included) for
+  inspection tools and fault injection; ``write_object`` bypasses immutability on purpose.
+
+Token-addressed backends. Some stores are addressed by token ids rather than block keys and
+move bytes to and from device memory themselves (the closed AttentionStore SDK of the system
+kvtier replaces did this). Such a backend plugs in behind this same interface: it derives its
+own address from the key (``KeyScheme.key`` carries the chained block hash, which identifies the
+token prefix exactly; a worker can pass token ids alongside through its task), implements
+``exists_prefix`` as its prefix-match query, and implements ``get_into`` / ``put_from`` on the host
+block views. A store that can only read/write device memory directly subclasses this ABC and
+overrides ``register_host_pool`` to receive the HostPool (and the DeviceCache through the worker)
+so its SDK can target device addresses; the worker still answers with the prefix the backend
+reports True. The checksummed object format is then the SDK's responsibility; kvtier only
+requires that a False never becomes a True.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import ObjectCorrupt, StorageError
+from kvtier.spec import KVCacheSpec
+from kvtier.storage.format import HEADER_BYTES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StorageUsage:
+    used_bytes: int
+    num_objects: int
+    capacity_bytes: int | None  # None: unbounded or unknown
+
+
+@dataclass
+class StorageStats:
+    """Counters a backend keeps; read them, don't write them."""
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    evictions: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if k != "lock"}
+
+
+class StorageBackend(ABC):
+    """One storage tier. See the module docstring for the contract."""
+
+    kind: str = "abstract"
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.spec = spec
+        self.fingerprint = spec.fingerprint
+        self.payload_bytes = spec.block_bytes
+        self.object_bytes = HEADER_BYTES + spec.block_bytes
+        self.stats = StorageStats()
+
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]: ...
+
+    @abstractmethod
+    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def usage(self) -> StorageUsage: ...
+
+    @abstractmethod
+    def read_object(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def write_object(self, key: str, data: bytes) -> None: ...
+
+    def register_host_pool(self, pool) -> None:  # noqa: B027 - optional hook
+        """Called once per HostPool before it is used; zero-copy backends register it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections, threads and registrations."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers for implementations --------------------------------------------------------
+
+    def _check_batch(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> None:
+        if len(keys) != len(host_blocks):
+            raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
+        for i, block in enumerate(host_blocks):
+            if block.dtype != torch.uint8 or block.numel() != self.payload_bytes:
+                raise StorageError(
+                    f"host block {i} is {block.numel()} x {block.dtype}; need "
+                    f"{self.payload_bytes} x torch.uint8 (HostPool.block(i))"
+                )
+            if not block.is_contiguous() or block.device.type != "cpu":
+                raise StorageError(f"host block {i} must be a contiguous CPU tensor")
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                raise StorageError(f"keys must be non-empty strings, got {key!r}")
+
+    def _corrupt(self, key: str, error: ObjectCorrupt) -> None:
+        """Count and log a detected bad object once; the caller removes it."""
+        self.stats.add(corrupt=1)
+        log.warning(
+            "%s store: object %s is corrupt (%s): treated as a miss and removed",
+            self.kind,
+            key,
+            error,
+        )
+
+    def _count_gets(self, results: list[bool]) -> list[bool]:
+        hits = sum(results)
+        self.stats.add(hits=hits, misses=len(results) - hits)
+        return results
+
+    def _count_puts(self, results: list[bool]) -> list[bool]:
+        ok = sum(results)
+        self.stats.add(puts=ok, put_failures=len(results) - ok)
+        return results

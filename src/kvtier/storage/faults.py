@@ -1,0 +1,145 @@
+"""FaultInjectingStore: wraps any backend with latency, errors, corruption and outages.
+
+Configured like a real backend (``{"backend": "file", ..., "faults": {...}}``), for the
+reliability suite and for operators rehearsing failures. Every injected fault is counted in
+``injected`` so tests can compare detections with injections.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError, StorageUnavailable
+from kvtier.storage.base import StorageBackend, StorageUsage
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    latency_s: float = 0.0  # added to every call
+    error_rate: float = 0.0  # per key: a put is not stored / a get reports a miss
+    corrupt_rate: float = 0.0  # per stored object: one random bit flipped after the put
+    unavailable_after_s: float | None = None  # outage window, seconds after start
+    unavailable_for_s: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("error_rate", "corrupt_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"storage.faults.{name}", f"must be in [0, 1], got {value!r}")
+        if self.latency_s < 0 or self.unavailable_for_s < 0:
+            raise ConfigError("storage.faults", "latency_s and unavailable_for_s must be >= 0")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FaultConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"storage.faults.{unknown[0]}", f"unknown fault option; allowed: {sorted(known)}"
+            )
+        return cls(**dict(data))
+
+
+class FaultInjectingStore(StorageBackend):
+    kind = "faults"
+
+    def __init__(self, inner: StorageBackend, config: FaultConfig | Mapping[str, Any]):
+        super().__init__(inner.spec)
+        self.inner = inner
+        self.config = config if isinstance(config, FaultConfig) else FaultConfig.from_dict(config)
+        self.stats = inner.stats
+        self.injected: Counter[str] = Counter()
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._forced_unavailable = False
+
+    def set_unavailable(self, unavailable: bool) -> None:
+        """Switch an outage on or off by hand (in addition to the configured window)."""
+        self._forced_unavailable = unavailable
+
+    def _enter(self, what: str) -> None:
+        if self.config.latency_s:
+            time.sleep(self.config.latency_s)
+        start = self.config.unavailable_after_s
+        elapsed = time.monotonic() - self._started
+        in_window = start is not None and start <= elapsed < start + self.config.unavailable_for_s
+        if self._forced_unavailable or in_window:
+            with self._lock:
+                self.injected["unavailable"] += 1
+            raise StorageUnavailable(f"injected outage ({what})")
+
+    def _roll(self, rate: float) -> bool:
+        if rate <= 0.0:
+            return False
+        with self._lock:
+            return self._rng.random() < rate
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        self._enter("exists_prefix")
+        return self.inner.exists_prefix(keys)
+
+    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._enter("get_into")
+        results = self.inner.get_into(keys, host_blocks)
+        for i, ok in enumerate(results):
+            if ok and self._roll(self.config.error_rate):
+                results[i] = False
+                with self._lock:
+                    self.injected["get_error"] += 1
+        return results
+
+    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._enter("put_from")
+        fail = [self._roll(self.config.error_rate) for _ in keys]
+        chosen = [i for i, f in enumerate(fail) if not f]
+        stored = self.inner.put_from([keys[i] for i in chosen], [host_blocks[i] for i in chosen])
+        results = [False] * len(keys)
+        for i, ok in zip(chosen, stored):
+            results[i] = ok
+            if ok and self._roll(self.config.corrupt_rate):
+                self.flip_bit(keys[i])
+        with self._lock:
+            self.injected["put_error"] += sum(fail)
+        return results
+
+    def flip_bit(self, key: str, bit: int | None = None) -> bool:
+        """Flip one bit (random unless given) of the stored object; False if it is missing."""
+        data = self.inner.read_object(key)
+        if data is None:
+            return False
+        with self._lock:
+            position = self._rng.randrange(len(data) * 8) if bit is None else bit
+            self.injected["corrupt"] += 1
+        corrupted = bytearray(data)
+        corrupted[position // 8] ^= 1 << (position % 8)
+        self.inner.write_object(key, bytes(corrupted))
+        return True
+
+    def delete(self, keys: Sequence[str]) -> int:
+        self._enter("delete")
+        return self.inner.delete(keys)
+
+    def usage(self) -> StorageUsage:
+        return self.inner.usage()
+
+    def read_object(self, key: str) -> bytes | None:
+        return self.inner.read_object(key)
+
+    def write_object(self, key: str, data: bytes) -> None:
+        self.inner.write_object(key, data)
+
+    def register_host_pool(self, pool) -> None:
+        self.inner.register_host_pool(pool)
+
+    def close(self) -> None:
+        self.inner.close()

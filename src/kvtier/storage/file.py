@@ -1,0 +1,390 @@
+"""FileStore: the embedded default — one checksummed file per object, crash-safe, LRU-capped.
+
+On-disk layout under ``root``::
+
+    objects/<2 hex>/<sha256(key) hex>.kvb   one object: 64-byte header + page-first block
+    tmp/<pid>-<thread>-<n>.tmp               writes in progress (never read)
+
+A write goes to ``tmp/``, then ``rename()`` publishes it atomically: a crash at any point leaves
+either no object or the whole object, never a visible partial one. Temporary files of dead
+writers are removed at the next start. Reads go straight into the host block with ``preadv``
+(header into a small buffer, payload into the block: no extra copy) and check every header field
+and the payload checksum; a bad object is removed and reported as a miss.
+
+Capacity: with ``capacity_bytes`` set, least-recently-used objects are removed once the total
+exceeds it. Recency is the file's mtime (bumped on every read), so the index rebuilt from the
+directory at start keeps the order, and several processes sharing one directory see each
+other's accesses; a process rescans the directory before it evicts (at most every
+``RESCAN_INTERVAL_S``) so that it counts the other processes' objects too.
+
+fsync policy (``fsync``):
+- ``none`` (default): no fsync. A process crash never exposes a partial object (rename is
+  atomic); a power loss can lose recent objects or leave torn ones, which the checksum turns into
+  misses. KV blocks can always be recomputed, so durability is not worth 1-2 GB/s here.
+- ``data``: fdatasync each object before its rename: objects that were reported stored survive a
+  power loss, at disk-flush speed.
+- ``full``: ``data`` plus an fsync of the directory after the rename, so the name survives too.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
+from kvtier.spec import KVCacheSpec
+from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.format import HEADER_BYTES, check_object, encode_header, payload_checksum
+
+log = logging.getLogger(__name__)
+
+OBJECT_SUFFIX = ".kvb"
+FANOUT_DIRS = 256
+RESCAN_INTERVAL_S = 5.0
+# Batches at least this large are spread over the I/O threads; smaller ones run inline.
+PARALLEL_MIN_KEYS = 2
+
+
+class FsyncPolicy(str, Enum):
+    NONE = "none"
+    DATA = "data"
+    FULL = "full"
+
+
+def default_root() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kvtier" / "store"
+
+
+@dataclass(frozen=True)
+class FileStoreConfig:
+    root: Path
+    capacity_bytes: int | None = None
+    fsync: FsyncPolicy = FsyncPolicy.NONE
+    io_threads: int = 4
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FileStoreConfig:
+        allowed = {"root", "capacity_bytes", "fsync", "io_threads"}
+        unknown = sorted(set(data) - allowed - {"backend"})
+        if unknown:
+            raise ConfigError(
+                f"storage.{unknown[0]}",
+                f"unknown option for the file backend; allowed: {sorted(allowed)}",
+            )
+        capacity = data.get("capacity_bytes")
+        if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
+            raise ConfigError(
+                "storage.capacity_bytes", f"must be a positive integer, got {capacity!r}"
+            )
+        try:
+            fsync = FsyncPolicy(data.get("fsync", "none"))
+        except ValueError:
+            raise ConfigError(
+                "storage.fsync", f"got {data['fsync']!r}; allowed: none, data, full"
+            ) from None
+        threads = data.get("io_threads", 4)
+        if not isinstance(threads, int) or not 1 <= threads <= 64:
+            raise ConfigError("storage.io_threads", f"must be an integer 1..64, got {threads!r}")
+        return cls(Path(data.get("root") or default_root()).expanduser(), capacity, fsync, threads)
+
+
+class FileStore(StorageBackend):
+    kind = "file"
+
+    def __init__(
+        self, spec: KVCacheSpec, config: FileStoreConfig | Mapping[str, Any] | None = None
+    ):
+        super().__init__(spec)
+        if not isinstance(config, FileStoreConfig):
+            config = FileStoreConfig.from_dict(config or {})
+        self.config = config
+        self.root = config.root
+        self._objects_dir = self.root / "objects"
+        self._tmp_dir = self.root / "tmp"
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # object file name -> bytes, LRU first
+        self._used = 0
+        self._last_scan = 0.0
+        self._tmp_counter = itertools.count()
+        self._warned: set[tuple[str, int]] = set()
+        try:
+            self._make_dirs()
+        except OSError as e:
+            raise StorageError(f"cannot create the file store in {self.root}: {e}") from e
+        self._remove_dead_tmp_files()
+        self._rescan()
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-file")
+
+    # ---- contract ---------------------------------------------------------------------------
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        for n, key in enumerate(keys):
+            if not os.path.exists(self._path(key)):
+                return n
+        return len(keys)
+
+    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
+        return self._count_gets(self._map(self._get_one, keys, host_blocks))
+
+    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
+        results = self._count_puts(self._map(self._put_one, keys, host_blocks))
+        self._evict_if_needed()
+        return results
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return sum(self._remove(self._path(key)) for key in keys)
+
+    def usage(self) -> StorageUsage:
+        with self._lock:
+            return StorageUsage(self._used, len(self._index), self.config.capacity_bytes)
+
+    def read_object(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_object(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._tmp_path()
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        self._indexed(path.name, len(data))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ---- one object -------------------------------------------------------------------------
+
+    def _get_one(self, key: str, block: torch.Tensor) -> bool:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._warn_once("read", e)
+            return False
+        header = bytearray(HEADER_BYTES)
+        payload = memoryview(block.numpy())
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.object_bytes:
+                raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes}")
+            n = os.preadv(fd, [header, payload], 0)
+            if n != self.object_bytes:
+                raise ObjectCorrupt(f"short read: {n} of {self.object_bytes} bytes")
+            check_object(header, payload, self.fingerprint, key)
+        except ObjectCorrupt as e:
+            self._corrupt(key, e)
+            self._remove(path)
+            return False
+        except OSError as e:
+            self._warn_once("read", e)
+            return False
+        finally:
+            os.close(fd)
+        try:
+            os.utime(path)  # LRU recency, visible to every process sharing the directory
+        except OSError:
+            pass
+        self._touch(path.name)
+        return True
+
+    def _put_one(self, key: str, block: torch.Tensor) -> bool:
+        path = self._path(key)
+        if os.path.exists(path):
+            return True  # immutable: the stored object stays
+        payload = memoryview(block.numpy())
+        header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
+        tmp = self._tmp_path()
+        try:
+            self._write_tmp(tmp, header, payload)
+            try:
+                os.rename(tmp, path)
+            except FileNotFoundError:  # the fan-out directory went away: recreate, retry once
+                self._make_dirs()
+                os.rename(tmp, path)
+            if self.config.fsync is FsyncPolicy.FULL:
+                _fsync_dir(path.parent)
+        except OSError as e:
+            self._warn_once("write", e)
+            self._remove(tmp)
+            return False
+        self._indexed(path.name, self.object_bytes)
+        return True
+
+    def _write_tmp(self, tmp: Path, header: bytes, payload: memoryview) -> None:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # the store directory was removed: recreate it
+            self._make_dirs()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            buffers: list = [header, payload]
+            written, total = 0, self.object_bytes
+            while written < total:
+                n = os.pwritev(fd, buffers, written)
+                if n <= 0:
+                    raise OSError(errno.EIO, "pwritev wrote nothing")
+                written += n
+                buffers = _advance(buffers, n)
+            if self.config.fsync is not FsyncPolicy.NONE:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    # ---- index and eviction -----------------------------------------------------------------
+
+    def _indexed(self, name: str, size: int) -> None:
+        with self._lock:
+            old = self._index.pop(name, None)
+            self._used += size - (old or 0)
+            self._index[name] = size
+
+    def _touch(self, name: str) -> None:
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+
+    def _evict_if_needed(self) -> None:
+        capacity = self.config.capacity_bytes
+        if capacity is None or self._used <= capacity:
+            return
+        if time.monotonic() - self._last_scan > RESCAN_INTERVAL_S:
+            self._rescan()  # learn about other processes' objects and accesses
+        victims = []
+        with self._lock:
+            while self._used > capacity and self._index:
+                name, size = self._index.popitem(last=False)
+                self._used -= size
+                victims.append(name)
+        for name in victims:
+            self._remove(self._objects_dir / name[:2] / name)
+        if victims:
+            self.stats.add(evictions=len(victims))
+            log.info("file store: evicted %d least-recently-used objects", len(victims))
+
+    def _rescan(self) -> None:
+        """Rebuild the LRU index from the directory (mtime order)."""
+        found = []
+        for sub in self._objects_dir.iterdir() if self._objects_dir.exists() else ():
+            try:
+                entries = list(os.scandir(sub))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.name.endswith(OBJECT_SUFFIX):
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((name, size) for _, name, size in found)
+            self._used = sum(size for _, _, size in found)
+            self._last_scan = time.monotonic()
+
+    # ---- paths and housekeeping -------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return self._objects_dir / digest[:2] / (digest + OBJECT_SUFFIX)
+
+    def _tmp_path(self) -> Path:
+        return (
+            self._tmp_dir / f"{os.getpid()}-{threading.get_ident()}-{next(self._tmp_counter)}.tmp"
+        )
+
+    def _make_dirs(self) -> None:
+        self._tmp_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(FANOUT_DIRS):
+            (self._objects_dir / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+
+    def _remove_dead_tmp_files(self) -> None:
+        for tmp in self._tmp_dir.glob("*.tmp"):
+            pid = int(tmp.name.split("-", 1)[0]) if tmp.name.split("-", 1)[0].isdigit() else 0
+            if pid and _alive(pid):
+                continue
+            self._remove(tmp)
+            log.info("file store: removed %s left by a writer that died", tmp.name)
+
+    def _remove(self, path: Path) -> bool:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._warn_once("remove", e)
+            return False
+        if path.suffix == OBJECT_SUFFIX:
+            with self._lock:
+                size = self._index.pop(path.name, None)
+                self._used -= size or 0
+        return True
+
+    def _warn_once(self, what: str, error: OSError) -> None:
+        """One log line per (operation, errno): a full disk must not flood the log."""
+        token = (what, error.errno or 0)
+        if token not in self._warned:
+            self._warned.add(token)
+            log.warning(
+                "file store %s: %s failed: %s (further such errors are not logged)",
+                self.root,
+                what,
+                error,
+            )
+
+    def _map(self, fn, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        if len(keys) < PARALLEL_MIN_KEYS:
+            return [fn(k, b) for k, b in zip(keys, blocks)]
+        return list(self._pool.map(fn, keys, blocks))
+
+
+def _advance(buffers: list, n: int) -> list:
+    """Drop the first n bytes from a list of buffers (after a partial pwritev)."""
+    out = []
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        if n >= len(view):
+            n -= len(view)
+            continue
+        out.append(view[n:])
+        n = 0
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,107 @@
+"""MemoryStore: the reference backend — a dict of encoded objects, optional LRU capacity."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.errors import ObjectCorrupt
+from kvtier.spec import KVCacheSpec
+from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.format import HEADER_BYTES, check_object, encode_header, payload_checksum
+
+
+class MemoryStore(StorageBackend):
+    """Objects in this process's memory. Stores the same bytes a file would hold, so the
+    corruption and fingerprint checks run exactly as for the other backends."""
+
+    kind = "memory"
+
+    def __init__(self, spec: KVCacheSpec, capacity_bytes: int | None = None) -> None:
+        super().__init__(spec)
+        self.capacity_bytes = capacity_bytes
+        self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            for n, key in enumerate(keys):
+                if key not in self._objects:
+                    return n
+        return len(keys)
+
+    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
+        results = []
+        for key, block in zip(keys, host_blocks):
+            with self._lock:
+                data = self._objects.get(key)
+                if data is not None:
+                    self._objects.move_to_end(key)
+            if data is None:
+                results.append(False)
+                continue
+            view = memoryview(data)
+            try:
+                if len(data) != self.object_bytes:
+                    raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
+                check_object(view[:HEADER_BYTES], view[HEADER_BYTES:], self.fingerprint, key)
+            except ObjectCorrupt as e:
+                self._corrupt(key, e)
+                self.delete([key])
+                results.append(False)
+                continue
+            block.numpy()[:] = np.frombuffer(data, dtype=np.uint8, offset=HEADER_BYTES)
+            results.append(True)
+        return self._count_gets(results)
+
+    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
+        for key, block in zip(keys, host_blocks):
+            with self._lock:
+                if key in self._objects:
+                    continue
+            payload = block.numpy()
+            header = encode_header(self.fingerprint, key, payload.size, payload_checksum(payload))
+            self._store(key, header + payload.tobytes())
+        return self._count_puts([True] * len(keys))
+
+    def _store(self, key: str, data: bytes) -> None:
+        with self._lock:
+            old = self._objects.pop(key, None)
+            self._used -= len(old) if old is not None else 0
+            self._objects[key] = data
+            self._used += len(data)
+            evicted = 0
+            while self.capacity_bytes is not None and self._used > self.capacity_bytes:
+                _, victim = self._objects.popitem(last=False)
+                self._used -= len(victim)
+                evicted += 1
+        if evicted:
+            self.stats.add(evictions=evicted)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        removed = 0
+        with self._lock:
+            for key in keys:
+                data = self._objects.pop(key, None)
+                if data is not None:
+                    self._used -= len(data)
+                    removed += 1
+        return removed
+
+    def usage(self) -> StorageUsage:
+        with self._lock:
+            return StorageUsage(self._used, len(self._objects), self.capacity_bytes)
+
+    def read_object(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._objects.get(key)
+
+    def write_object(self, key: str, data: bytes) -> None:
+        self._store(key, bytes(data))

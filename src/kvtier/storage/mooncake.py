@@ -1,0 +1,460 @@
+"""MooncakeStore: Mooncake Store as the distributed tier (zero-copy from the registered pool).
+
+Each object is the same 64-byte header + page-first block as on disk. The host pool is
+registered once, with a small registered header area beside it (one 64-byte slot per host
+block); puts gather [header slot, host block] and gets scatter into them with Mooncake's
+``*_multi_buffers`` batch calls, so payload bytes never pass through Python.
+
+Mooncake's return codes are translated in one place, ``_classify``. Eviction by the store is an
+ordinary miss. An unreachable master is ``StorageUnavailable``: the port is probed with a timeout
+before ``setup()`` (which otherwise blocks ~90 s), and RPC failures on every key of a batch
+raise it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError, ObjectCorrupt, StorageError, StorageUnavailable
+from kvtier.spec import KVCacheSpec
+from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.format import HEADER_BYTES, check_object, encode_header, payload_checksum
+
+log = logging.getLogger(__name__)
+
+PROTOCOLS = ("tcp", "rdma")
+ENV_PREFIX = "KVTIER_MOONCAKE_"
+PROBE_TIMEOUT_S = 0.5
+
+
+class Outcome(Enum):
+    OK = "ok"
+    MISSING = "missing"
+    FAILED = "failed"
+    UNREACHABLE = "unreachable"
+
+
+# Mooncake error codes (mooncake-store types.h) and what each means for kvtier.
+_CODES = {
+    -200: ("no space", Outcome.FAILED),
+    -600: ("invalid parameters", Outcome.FAILED),
+    -704: ("object not found", Outcome.MISSING),
+    -705: ("object already exists", Outcome.OK),  # immutable: the stored object stays
+    -706: ("object has lease", Outcome.FAILED),
+    -707: ("lease expired", Outcome.MISSING),
+    -800: ("transfer failed", Outcome.FAILED),
+    -900: ("RPC to master failed", Outcome.UNREACHABLE),
+}
+
+
+def _classify(rc: int | None, ok_value: int = 0) -> Outcome:
+    if rc is None:
+        return Outcome.FAILED  # unregistered buffer
+    if rc == ok_value:
+        return Outcome.OK
+    if rc >= 0:
+        return Outcome.FAILED  # e.g. a short read: the object is not the size we store
+    return _CODES.get(rc, ("unknown error", Outcome.FAILED))[1]
+
+
+def describe(rc: int) -> str:
+    return f"{rc} ({_CODES.get(rc, ('unknown error',))[0]})"
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    master_address: str = "127.0.0.1:50051"
+    metadata_server: str = "http://127.0.0.1:8080/metadata"
+    protocol: str = "tcp"
+    device_name: str = ""
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 1 << 30  # bytes this client contributes to the store
+    local_buffer_size: int = 256 << 20
+    connect_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError("storage.protocol", f"got {self.protocol!r}; allowed: tcp, rdma")
+        host, _, port = self.master_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                "storage.master_address", f"must be host:port, got {self.master_address!r}"
+            )
+        for name in ("global_segment_size", "local_buffer_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"storage.{name}", f"must be a positive integer, got {value!r}")
+        if not self.connect_timeout_s > 0:
+            raise ConfigError("storage.connect_timeout_s", "must be > 0")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None):
+        """From a mapping; ``KVTIER_MOONCAKE_<FIELD>`` variables fill fields the mapping lacks."""
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(data) - set(known) - {"backend"})
+        if unknown:
+            raise ConfigError(
+                f"storage.{unknown[0]}",
+                f"unknown option for the mooncake backend; allowed: {sorted(known)}",
+            )
+        values: dict[str, Any] = {}
+        env = os.environ if environ is None else environ
+        for name in known:
+            if name in data:
+                values[name] = data[name]
+            elif ENV_PREFIX + name.upper() in env:
+                values[name] = env[ENV_PREFIX + name.upper()]
+        for name in ("global_segment_size", "local_buffer_size"):
+            if isinstance(values.get(name), str):
+                values[name] = _int_field(name, values[name])
+        if isinstance(values.get("connect_timeout_s"), str):
+            values["connect_timeout_s"] = float(values["connect_timeout_s"])
+        return cls(**values)
+
+
+def _int_field(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"storage.{name}", f"must be an integer, got {text!r}") from None
+
+
+def probe(address: str, timeout_s: float) -> None:
+    """Raise StorageUnavailable unless something accepts TCP connections at ``address``."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise StorageUnavailable(f"mooncake master {address} is unreachable: {e}") from None
+
+
+@dataclass
+class _Registered:
+    base: int
+    end: int
+    block_bytes: int
+    headers: torch.Tensor  # one HEADER_BYTES slot per host block, registered too
+
+
+class MooncakeStore(StorageBackend):
+    kind = "mooncake"
+
+    def __init__(self, spec: KVCacheSpec, config: MooncakeConfig | Mapping[str, Any] | None = None):
+        super().__init__(spec)
+        if not isinstance(config, MooncakeConfig):
+            config = MooncakeConfig.from_dict(config or {})
+        self.config = config
+        probe(config.master_address, config.connect_timeout_s)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise StorageError(
+                "the mooncake backend needs Mooncake: pip install 'kvtier[mooncake]' and "
+                f"apt-get install -y libibverbs1 ({e})"
+            ) from None
+        # The transfer engine otherwise binds its RPC port to the first active NIC; keep it on
+        # the address we were told to use (loopback in tests and single-machine setups).
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            config.local_hostname,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            config.master_address,
+        )
+        if rc != 0:
+            raise StorageUnavailable(f"mooncake setup against {config.master_address} failed: {rc}")
+        self._regions: list[_Registered] = []
+        self._lock = threading.Lock()
+        self._stored_bytes = 0
+        self._stored_objects = 0
+        self._closed = False
+        self._down = False
+
+    # ---- registration -----------------------------------------------------------------------
+
+    def register_host_pool(self, pool) -> None:
+        with self._lock:
+            if any(r.base == pool.base_address for r in self._regions):
+                return
+            headers = torch.zeros(pool.num_blocks * HEADER_BYTES, dtype=torch.uint8)
+            for ptr, size in (
+                (pool.base_address, pool.size_bytes),
+                (headers.data_ptr(), headers.numel()),
+            ):
+                rc = self._store.register_buffer(ptr, size)
+                if rc != 0:
+                    raise StorageError(f"mooncake register_buffer failed: {describe(rc)}")
+            self._regions.append(
+                _Registered(
+                    pool.base_address,
+                    pool.base_address + pool.size_bytes,
+                    pool.block_bytes,
+                    headers,
+                )
+            )
+
+    def _slots(self, host_blocks: Sequence[torch.Tensor]) -> list[tuple[np.ndarray, int, int]]:
+        """(header slot view, header address, block address) of each block."""
+        out = []
+        for i, block in enumerate(host_blocks):
+            ptr = block.data_ptr()
+            region = next((r for r in self._regions if r.base <= ptr < r.end), None)
+            if region is None or (ptr - region.base) % region.block_bytes:
+                raise StorageError(
+                    f"host block {i} is not a block of a registered HostPool: "
+                    "call register_host_pool(pool) first"
+                )
+            index = (ptr - region.base) // region.block_bytes
+            slot = region.headers[index * HEADER_BYTES : (index + 1) * HEADER_BYTES]
+            out.append((slot.numpy(), slot.data_ptr(), ptr))
+        return out
+
+    # ---- contract ---------------------------------------------------------------------------
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        self._guard()
+        codes = self._store.batch_is_exist(list(keys))
+        self._check_reachable([_classify(c, 1) for c in codes], codes, "exists")
+        for n, c in enumerate(codes):
+            if c != 1:
+                return n
+        return len(keys)
+
+    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
+        if not keys:
+            return []
+        slots = self._slots(host_blocks)
+        self._guard()
+        for key, block, (slot, _, _) in zip(keys, host_blocks, slots):
+            payload = block.numpy()
+            slot[:] = np.frombuffer(
+                encode_header(self.fingerprint, key, payload.size, payload_checksum(payload)),
+                dtype=np.uint8,
+            )
+        codes = self._store.batch_put_from_multi_buffers(
+            list(keys),
+            [[h, b] for _, h, b in slots],
+            [[HEADER_BYTES, self.payload_bytes]] * len(keys),
+        )
+        outcomes = [_classify(c) for c in codes]
+        if all(o is Outcome.UNREACHABLE for o in outcomes):
+            raise StorageUnavailable(
+                f"mooncake master {self.config.master_address} "
+                f"is unreachable (put: {describe(codes[0])})"
+            )
+        results = [o is Outcome.OK for o in outcomes]
+        failed = [describe(c) for c, ok in zip(codes, results) if not ok]
+        if failed:
+            log.debug("mooncake put: %d of %d failed (%s)", len(failed), len(keys), failed[0])
+        with self._lock:
+            self._stored_objects += sum(results)
+            self._stored_bytes += sum(results) * self.object_bytes
+        return self._count_puts(results)
+
+    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
+        if not keys:
+            return []
+        slots = self._slots(host_blocks)
+        self._guard()
+        codes = self._store.batch_get_into_multi_buffers(
+            list(keys),
+            [[h, b] for _, h, b in slots],
+            [[HEADER_BYTES, self.payload_bytes]] * len(keys),
+        )
+        outcomes = [_classify(c, self.object_bytes) for c in codes]
+        if all(o is Outcome.UNREACHABLE for o in outcomes):
+            raise StorageUnavailable(
+                f"mooncake master {self.config.master_address} "
+                f"is unreachable (get: {describe(codes[0])})"
+            )
+        results = []
+        for key, block, (slot, _, _), outcome, code in zip(
+            keys, host_blocks, slots, outcomes, codes
+        ):
+            if outcome is not Outcome.OK:
+                if code is not None and code >= 0:  # present but not our size: corrupt
+                    self._corrupt(key, ObjectCorrupt(f"object is {code} bytes"))
+                    self.delete([key])
+                results.append(False)
+                continue
+            try:
+                check_object(slot, block.numpy(), self.fingerprint, key)
+            except ObjectCorrupt as e:
+                self._corrupt(key, e)
+                self.delete([key])
+                results.append(False)
+                continue
+            results.append(True)
+        return self._count_gets(results)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        self._guard()
+        codes = self._store.batch_remove(list(keys), True)
+        removed = sum(1 for c in codes if c == 0)
+        with self._lock:
+            self._stored_objects = max(0, self._stored_objects - removed)
+            self._stored_bytes = max(0, self._stored_bytes - removed * self.object_bytes)
+        return removed
+
+    def usage(self) -> StorageUsage:
+        """Objects this client stored (the master evicts silently, so an upper bound)."""
+        with self._lock:
+            return StorageUsage(
+                self._stored_bytes, self._stored_objects, self.config.global_segment_size
+            )
+
+    def read_object(self, key: str) -> bytes | None:
+        data = self._store.get(key)
+        return bytes(data) if data else None
+
+    def write_object(self, key: str, data: bytes) -> None:
+        self._store.remove(key, True)
+        rc = self._store.put(key, data)
+        if rc != 0:
+            raise StorageError(f"mooncake put of {key} failed: {describe(rc)}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for region in self._regions:
+                self._store.unregister_buffer(region.base)
+                self._store.unregister_buffer(region.headers.data_ptr())
+            self._regions.clear()
+        self._store.close()
+
+    def _check_reachable(self, outcomes: list[Outcome], codes: list[int], what: str) -> None:
+        """Every key failing with an RPC error means the master is gone: StorageUnavailable."""
+        if outcomes and all(o is Outcome.UNREACHABLE for o in outcomes):
+            self._down = True
+            log.warning(
+                "mooncake master %s is unreachable (%s: %s)",
+                self.config.master_address,
+                what,
+                describe(codes[0]),
+            )
+            raise StorageUnavailable(
+                f"mooncake master {self.config.master_address} is unreachable "
+                f"({what}: {describe(codes[0])})"
+            )
+
+    def _guard(self) -> None:
+        """While the master is known to be down, fail fast with a port probe.
+
+        Mooncake's own calls retry for ~4 s each when the master is gone; a TCP probe answers in
+        well under a second, and lets the client's own reconnection take over once it is back.
+        """
+        if self._down:
+            probe(self.config.master_address, PROBE_TIMEOUT_S)
+            self._down = False
+            log.info("mooncake master %s is reachable again", self.config.master_address)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalMaster:
+    """A ``mooncake_master`` with its embedded HTTP metadata server on free loopback ports.
+
+    For tests, benchmarks and the demo; production clusters run their own master. Started by
+    ``start()`` (waits for the RPC port), stopped by ``stop()`` (SIGTERM, then SIGKILL).
+    """
+
+    def __init__(self, lease_ttl_ms: int | None = None) -> None:
+        self.rpc_port = _free_port()
+        self.http_port = _free_port()
+        self.metrics_port = _free_port()
+        self.lease_ttl_ms = lease_ttl_ms
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def config(self, **overrides: Any) -> dict[str, Any]:
+        return {
+            "backend": "mooncake",
+            "master_address": self.master_address,
+            "metadata_server": self.metadata_server,
+            **overrides,
+        }
+
+    def start(self, timeout_s: float = 20.0) -> LocalMaster:
+        binary = shutil.which("mooncake_master")
+        if binary is None:
+            raise StorageError("mooncake_master not found: pip install 'kvtier[mooncake]'")
+        args = [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--enable_metric_reporting=false",
+        ]
+        if self.lease_ttl_ms is not None:
+            args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise StorageError(f"mooncake_master exited with {self.process.returncode}")
+            try:
+                probe(self.master_address, 0.2)
+                return self
+            except StorageUnavailable:
+                time.sleep(0.05)
+        self.stop()
+        raise StorageError(f"mooncake_master did not listen on {self.master_address} in time")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+    def __enter__(self) -> LocalMaster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

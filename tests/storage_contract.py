@@ -1,0 +1,271 @@
+"""The storage contract suite: every backend's test class subclasses StoreContract.
+
+A subclass provides ``make_store(spec)`` (a fresh backend over shared state per test, so a
+second instance built the same way sees the same objects when the backend persists), and sets
+``persistent`` / ``multi_process`` for what the backend promises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import procs
+from kvtier.errors import StorageError
+from kvtier.host import HostPool
+from kvtier.keys import KeyScheme, block_hashes
+from kvtier.spec import KVCacheSpec
+from kvtier.storage.base import StorageBackend
+from kvtier.storage.format import HEADER_BYTES, encode_header, payload_checksum
+
+# fp8 with scales: every backend must carry every part.
+CONTRACT_SPEC = KVCacheSpec(
+    num_layers=2, num_blocks=8, num_kv_heads=2, block_size=16, head_dim=64, dtype="block_wise_fp8"
+)
+
+
+def expected_block(key: str, nbytes: int) -> torch.Tensor:
+    """The deterministic content stored under ``key`` in these tests."""
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def make_keys(n: int, namespace: str | None = None, rank: int = 0) -> list[str]:
+    scheme = KeyScheme(
+        namespace or f"test-{uuid.uuid4().hex[:8]}",
+        CONTRACT_SPEC.fingerprint,
+        rank=rank,
+        version="RL-STEP1",
+    )
+    tokens = np.random.default_rng().integers(0, 150_000, n * CONTRACT_SPEC.block_size)
+    return scheme.keys(block_hashes(tokens, CONTRACT_SPEC.block_size))
+
+
+class StoreContract:
+    persistent = False
+    multi_process = False
+
+    def make_store(self, spec: KVCacheSpec) -> StorageBackend:
+        raise NotImplementedError
+
+    def store_config(self) -> dict:
+        """A config another process can pass to make_backend to reach the same objects."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    def pool(self):
+        with HostPool(CONTRACT_SPEC, 16) as pool:
+            yield pool
+
+    @pytest.fixture
+    def store(self, pool):
+        store = self.make_store(CONTRACT_SPEC)
+        store.register_host_pool(pool)
+        yield store
+        store.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def put(self, store, pool, keys, first_block: int = 0) -> list[bool]:
+        blocks = [pool.block(first_block + i) for i in range(len(keys))]
+        for key, block in zip(keys, blocks):
+            block.copy_(expected_block(key, block.numel()))
+        return store.put_from(keys, blocks)
+
+    def get(self, store, pool, keys, first_block: int = 8) -> list[bool]:
+        blocks = [pool.block(first_block + i) for i in range(len(keys))]
+        for block in blocks:
+            block.fill_(0xEE)
+        results = store.get_into(keys, blocks)
+        for key, block, ok in zip(keys, blocks, results):
+            if ok:
+                assert torch.equal(block, expected_block(key, block.numel())), key
+        return results
+
+    # ---- the contract -----------------------------------------------------------------------
+
+    def test_round_trip(self, store, pool) -> None:
+        keys = make_keys(6)
+        assert self.put(store, pool, keys) == [True] * 6
+        assert self.get(store, pool, keys) == [True] * 6
+        assert store.exists_prefix(keys) == 6
+
+    def test_missing_is_a_miss(self, store, pool) -> None:
+        keys = make_keys(3)
+        assert store.exists_prefix(keys) == 0
+        assert self.get(store, pool, keys) == [False] * 3
+        assert store.exists_prefix([]) == 0
+        assert store.get_into([], []) == [] and store.put_from([], []) == []
+
+    def test_prefix_semantics(self, store, pool) -> None:
+        keys = make_keys(6)
+        stored = [keys[i] for i in (0, 1, 2, 4, 5)]  # a hole at 3
+        assert all(self.put(store, pool, stored))
+        assert store.exists_prefix(keys) == 3
+        assert store.exists_prefix(keys[3:]) == 0  # first key missing
+        assert store.exists_prefix(keys[4:]) == 2  # all present
+        assert self.get(store, pool, keys) == [True, True, True, False, True, True]
+
+    def test_put_of_existing_key_keeps_the_first_object(self, store, pool) -> None:
+        keys = make_keys(1)
+        assert self.put(store, pool, keys) == [True]
+        pool.block(1).fill_(0x11)
+        assert store.put_from(keys, [pool.block(1)]) == [True]
+        assert self.get(store, pool, keys) == [True]  # still the first bytes
+
+    def test_delete(self, store, pool) -> None:
+        keys = make_keys(3)
+        self.put(store, pool, keys)
+        assert store.delete(keys[:2] + make_keys(1)) == 2
+        assert store.exists_prefix(keys) == 0
+        assert self.get(store, pool, keys) == [False, False, True]
+
+    def test_usage_counts_objects(self, store, pool) -> None:
+        before = store.usage()
+        self.put(store, pool, make_keys(4))
+        after = store.usage()
+        assert after.num_objects == before.num_objects + 4
+        assert after.used_bytes >= before.used_bytes + 4 * CONTRACT_SPEC.block_bytes
+
+    @pytest.mark.parametrize(
+        "where",
+        [
+            "magic",
+            "fingerprint",
+            "length",
+            "checksum",
+            "header_check",
+            "payload_first",
+            "payload_last",
+        ],
+    )
+    def test_flipped_bit_is_a_miss(self, store, pool, where: str) -> None:
+        offsets = {
+            "magic": 0,
+            "fingerprint": 9,
+            "length": 33,
+            "checksum": 41,
+            "header_check": 60,
+            "payload_first": HEADER_BYTES,
+            "payload_last": HEADER_BYTES + CONTRACT_SPEC.block_bytes - 1,
+        }
+        keys = make_keys(3)
+        self.put(store, pool, keys)
+        data = bytearray(store.read_object(keys[1]))
+        data[offsets[where]] ^= 0x08
+        store.write_object(keys[1], bytes(data))
+        corrupt_before = store.stats.corrupt
+        assert self.get(store, pool, keys) == [True, False, True]
+        assert store.stats.corrupt == corrupt_before + 1
+        assert store.exists_prefix(keys) == 1  # removed: detected once, never served
+
+    def test_random_bit_flips_are_always_detected(self, store, pool) -> None:
+        keys = make_keys(8)
+        self.put(store, pool, keys[:8])
+        rng = np.random.default_rng(7)
+        for key in keys:
+            data = bytearray(store.read_object(key))
+            bit = int(rng.integers(len(data) * 8))
+            data[bit // 8] ^= 1 << (bit % 8)
+            store.write_object(key, bytes(data))
+        assert self.get(store, pool, keys) == [False] * 8
+
+    def test_truncated_object_is_a_miss(self, store, pool) -> None:
+        keys = make_keys(2)
+        self.put(store, pool, keys)
+        store.write_object(keys[0], store.read_object(keys[0])[:-100])
+        store.write_object(keys[1], store.read_object(keys[1])[: HEADER_BYTES - 1])
+        assert self.get(store, pool, keys) == [False, False]
+
+    def test_other_layout_or_other_key_is_a_miss(self, store, pool) -> None:
+        keys = make_keys(3)
+        self.put(store, pool, keys[:1])
+        payload = expected_block(keys[1], CONTRACT_SPEC.block_bytes).numpy()
+        other_fp = "0123456789abcdef"
+        store.write_object(
+            keys[1],
+            encode_header(other_fp, keys[1], payload.size, payload_checksum(payload))
+            + payload.tobytes(),
+        )
+        store.write_object(keys[2], store.read_object(keys[0]))  # the right bytes, wrong name
+        assert self.get(store, pool, keys) == [True, False, False]
+
+    def test_bad_arguments(self, store, pool) -> None:
+        keys = make_keys(2)
+        with pytest.raises(StorageError, match="2 keys but 1 host blocks"):
+            store.put_from(keys, [pool.block(0)])
+        with pytest.raises(StorageError, match="need"):
+            store.get_into(keys[:1], [pool.block(0)[:100]])
+
+    def test_concurrent_threads(self, store, pool) -> None:
+        keys = make_keys(16)
+        errors: list[BaseException] = []
+
+        def worker(i: int) -> None:
+            try:
+                mine = keys[i * 4 : i * 4 + 4]
+                for _ in range(3):
+                    # Each thread uses its own pair of host blocks (the caller's duty).
+                    blocks = [pool.block(i * 2), pool.block(i * 2 + 1)]
+                    for key in mine:
+                        blocks[0].copy_(expected_block(key, blocks[0].numel()))
+                        assert store.put_from([key], blocks[:1]) == [True]
+                        blocks[1].fill_(0)
+                        assert store.get_into([key], blocks[1:]) == [True]
+                        assert torch.equal(blocks[1], blocks[0])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[0]
+        assert store.exists_prefix(keys) == 16
+
+    def test_two_processes(self, store, pool) -> None:
+        if not self.multi_process:
+            pytest.skip(f"{store.kind} objects live in one process")
+        ours, theirs = make_keys(4), make_keys(4)
+        self.put(store, pool, ours)
+        ctx = mp.get_context("spawn")
+        results, done = ctx.Queue(), ctx.Event()
+        child = ctx.Process(
+            target=procs.store_round_trip,
+            args=(CONTRACT_SPEC.to_dict(), self.store_config(), theirs, ours, results, done),
+        )
+        child.start()
+        try:
+            # Both processes write at once.
+            assert self.put(store, pool, make_keys(4), first_block=4) == [True] * 4
+            put_ok, seen = results.get(timeout=120)
+            assert put_ok == [True] * 4
+            assert seen == [True] * 4  # the child read our objects, byte-exact
+            assert self.get(store, pool, theirs) == [True] * 4  # and we read the child's
+        finally:
+            done.set()
+            child.join(60)
+        assert child.exitcode == 0
+
+    def test_persistence_across_reopen(self, store, pool) -> None:
+        if not self.persistent:
+            pytest.skip(f"{store.kind} does not persist across close")
+        keys = make_keys(3)
+        self.put(store, pool, keys)
+        store.close()
+        reopened = self.make_store(CONTRACT_SPEC)
+        reopened.register_host_pool(pool)
+        try:
+            assert reopened.exists_prefix(keys) == 3
+            assert reopened.usage().num_objects >= 3
+            assert self.get(reopened, pool, keys) == [True] * 3
+        finally:
+            reopened.close()

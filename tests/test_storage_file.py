@@ -1,0 +1,155 @@
+"""The file backend: the contract, crash safety, capacity, recovery, layout on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.host import HostPool
+from kvtier.storage import make_backend
+from kvtier.storage.file import FileStore, FileStoreConfig, FsyncPolicy
+from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+
+TESTS = Path(__file__).resolve().parent
+
+
+class TestFileStore(StoreContract):
+    persistent = True
+    multi_process = True
+
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path):
+        self.root = tmp_path / "store"
+
+    def store_config(self) -> dict:
+        return {"backend": "file", "root": str(self.root)}
+
+    def make_store(self, spec):
+        return make_backend(spec, self.store_config())
+
+
+@pytest.mark.parametrize("fsync", ["data", "full"])
+def test_fsync_policies_round_trip(tmp_path, fsync: str) -> None:
+    store = FileStore(CONTRACT_SPEC, {"root": tmp_path, "fsync": fsync})
+    assert store.config.fsync is FsyncPolicy(fsync)
+    keys = make_keys(3)
+    with HostPool(CONTRACT_SPEC, 6) as pool, store:
+        for i, k in enumerate(keys):
+            pool.block(i).copy_(expected_block(k, pool.block_bytes))
+        assert store.put_from(keys, [pool.block(i) for i in range(3)]) == [True] * 3
+        assert store.get_into(keys, [pool.block(3 + i) for i in range(3)]) == [True] * 3
+        assert torch.equal(pool.slab[:3], pool.slab[3:])
+
+
+def test_on_disk_layout(tmp_path) -> None:
+    keys = make_keys(2)
+    with HostPool(CONTRACT_SPEC, 2) as pool, FileStore(CONTRACT_SPEC, {"root": tmp_path}) as s:
+        s.put_from(keys, [pool.block(0), pool.block(1)])
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.kvb"))
+    assert len(files) == 2
+    for f in files:
+        assert f.parts[0] == "objects" and len(f.parts[1]) == 2 and f.name.startswith(f.parts[1])
+        assert (tmp_path / f).stat().st_size == 64 + CONTRACT_SPEC.block_bytes
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_capacity_evicts_lru_and_survives_restart(tmp_path) -> None:
+    object_bytes = 64 + CONTRACT_SPEC.block_bytes
+    config = {"root": tmp_path, "capacity_bytes": 4 * object_bytes}
+    keys = make_keys(6)
+    with HostPool(CONTRACT_SPEC, 6) as pool:
+        blocks = [pool.block(i) for i in range(6)]
+        with FileStore(CONTRACT_SPEC, config) as store:
+            for key, block in zip(keys[:4], blocks[:4]):  # one by one: a known mtime order
+                store.put_from([key], [block])
+                time.sleep(0.01)
+            store.get_into(keys[:1], blocks[5:6])  # key 0 becomes the most recent
+        with FileStore(CONTRACT_SPEC, config) as store:  # index rebuilt from the directory
+            assert store.usage().num_objects == 4
+            assert store.usage().used_bytes == 4 * object_bytes
+            store.put_from(keys[4:6], blocks[4:6])
+            present = [store.exists_prefix([k]) for k in keys]
+            assert present == [1, 0, 0, 1, 1, 1]  # keys 1 and 2 were least recently used
+            assert store.stats.evictions == 2
+            assert store.usage().used_bytes <= 4 * object_bytes
+
+
+def test_store_directory_removed_then_recovers(tmp_path) -> None:
+    root = tmp_path / "store"
+    keys = make_keys(2)
+    with HostPool(CONTRACT_SPEC, 2) as pool, FileStore(CONTRACT_SPEC, {"root": root}) as store:
+        assert store.put_from(keys[:1], [pool.block(0)]) == [True]
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+        assert store.exists_prefix(keys) == 0
+        assert store.get_into(keys[:1], [pool.block(1)]) == [False]
+        assert store.put_from(keys[1:], [pool.block(1)]) == [True]  # recreated by itself
+        assert store.exists_prefix(keys[1:]) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory_fails_puts_cleanly(tmp_path) -> None:
+    with HostPool(CONTRACT_SPEC, 1) as pool, FileStore(CONTRACT_SPEC, {"root": tmp_path}) as s:
+        os.chmod(tmp_path / "tmp", 0o500)
+        try:
+            assert s.put_from(make_keys(1), [pool.block(0)]) == [False]
+        finally:
+            os.chmod(tmp_path / "tmp", 0o700)
+
+
+def test_tmp_files_of_dead_writers_are_removed(tmp_path) -> None:
+    FileStore(CONTRACT_SPEC, {"root": tmp_path}).close()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (tmp_path / "tmp" / f"{dead}-1-0.tmp").write_bytes(b"partial")
+    (tmp_path / "tmp" / f"{os.getpid()}-1-0.tmp").write_bytes(b"in progress")  # a live writer
+    FileStore(CONTRACT_SPEC, {"root": tmp_path}).close()
+    assert os.listdir(tmp_path / "tmp") == [f"{os.getpid()}-1-0.tmp"]
+
+
+def test_config_errors_name_the_field(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="storage.fsync: got 'always'; allowed: none, data"):
+        FileStoreConfig.from_dict({"root": tmp_path, "fsync": "always"})
+    with pytest.raises(ConfigError, match="storage.capacity_bytes"):
+        FileStoreConfig.from_dict({"capacity_bytes": -5})
+    with pytest.raises(ConfigError, match="storage.io_threads"):
+        FileStoreConfig.from_dict({"io_threads": 0})
+    with pytest.raises(ConfigError, match="storage.rooot: unknown option"):
+        FileStoreConfig.from_dict({"rooot": "/x"})
+    with pytest.raises(ConfigError, match="storage.backend: got 'redis'; allowed: file, mooncake"):
+        make_backend(CONTRACT_SPEC, {"backend": "redis"})
+
+
+def test_default_root_is_under_the_user_cache(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert FileStoreConfig.from_dict({}).root == tmp_path / "kvtier" / "store"
+
+
+def test_sigkill_during_large_saves_never_leaves_a_visible_partial_object(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "crash_saver.py"), str(tmp_path), "24", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 24
+    for row in rows:
+        assert row["visible"] == row["whole"], row  # every visible object is whole and right
+        assert row["prefix_ok"], row
+        assert row["tmp_left"] == 0, row  # the next start removed the dead writer's temp files
+    assert all(r["killed"] for r in rows)  # every kill landed mid-save
+    assert any(r["partial_batch"] for r in rows)  # and some in the middle of a batch

@@ -1,0 +1,112 @@
+"""The mooncake backend against a real mooncake_master: the contract, outages, config."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.errors import ConfigError, StorageUnavailable
+from kvtier.host import HostPool
+from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+
+mooncake_store = pytest.importorskip(
+    "mooncake.store",
+    reason="Mooncake not importable (pip install mooncake-transfer-engine-"
+    "non-cuda; apt-get install -y libibverbs1)",
+    exc_type=ImportError,
+)
+
+from kvtier.storage import make_backend  # noqa: E402
+from kvtier.storage.mooncake import LocalMaster, MooncakeConfig, MooncakeStore  # noqa: E402
+
+SMALL = {"global_segment_size": 128 << 20, "local_buffer_size": 32 << 20}
+
+
+@pytest.fixture(scope="module")
+def master():
+    with LocalMaster() as m:
+        yield m
+
+
+class TestMooncakeStore(StoreContract):
+    multi_process = True
+
+    @pytest.fixture(autouse=True)
+    def _master(self, master):
+        self.master = master
+
+    def store_config(self) -> dict:
+        return self.master.config(**SMALL)
+
+    def make_store(self, spec):
+        return make_backend(spec, self.store_config())
+
+    # One client and one pool for the class: a Mooncake client takes ~2 s to close.
+    @pytest.fixture(scope="class")
+    def pool(self):
+        with HostPool(CONTRACT_SPEC, 16) as pool:
+            yield pool
+
+    @pytest.fixture(scope="class")
+    def store(self, pool, master):
+        store = make_backend(CONTRACT_SPEC, master.config(**SMALL))
+        store.register_host_pool(pool)
+        yield store
+        store.close()
+
+
+def test_unreachable_master_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(StorageUnavailable, match="unreachable"):
+        MooncakeStore(CONTRACT_SPEC, {"master_address": "127.0.0.1:1", "connect_timeout_s": 0.5})
+    assert time.monotonic() - start < 3
+
+
+def test_master_restart_gives_unavailable_then_recovers() -> None:
+    keys = make_keys(2)
+    with HostPool(CONTRACT_SPEC, 4) as pool, LocalMaster() as master:
+        store = MooncakeStore(CONTRACT_SPEC, master.config(**SMALL))
+        store.register_host_pool(pool)
+        pool.block(0).copy_(expected_block(keys[0], pool.block_bytes))
+        assert store.put_from(keys[:1], [pool.block(0)]) == [True]
+        master.stop()
+        with pytest.raises(StorageUnavailable):
+            store.exists_prefix(keys)
+        with pytest.raises(StorageUnavailable):
+            store.get_into(keys[:1], [pool.block(1)])
+        master.start()  # same ports; the old master's objects are gone
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if store.put_from(keys[1:], [pool.block(0)]) == [True]:
+                    break
+            except StorageUnavailable:
+                pass
+            assert time.monotonic() < deadline, "no recovery within 30 s"
+            time.sleep(0.2)
+        assert store.exists_prefix(keys) == 0  # key 0 was lost with the master: a miss
+        assert store.exists_prefix(keys[1:]) == 1
+        store.close()
+
+
+def test_config_from_dict_and_env() -> None:
+    env = {
+        "KVTIER_MOONCAKE_MASTER_ADDRESS": "10.0.0.1:5000",
+        "KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE": "4096",
+        "KVTIER_MOONCAKE_PROTOCOL": "rdma",
+    }
+    cfg = MooncakeConfig.from_dict({"protocol": "tcp"}, environ=env)
+    assert (cfg.master_address, cfg.global_segment_size, cfg.protocol) == (
+        "10.0.0.1:5000",
+        4096,
+        "tcp",
+    )  # the mapping wins over the environment
+    with pytest.raises(ConfigError, match="storage.protocol: got 'udp'"):
+        MooncakeConfig.from_dict({"protocol": "udp"}, environ={})
+    with pytest.raises(ConfigError, match="storage.master_address: must be host:port"):
+        MooncakeConfig.from_dict({"master_address": "nowhere"}, environ={})
+    with pytest.raises(ConfigError, match="storage.global_segment_size: must be an integer"):
+        MooncakeConfig.from_dict({}, environ={"KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE": "big"})
+    with pytest.raises(ConfigError, match="storage.segment: unknown option"):
+        MooncakeConfig.from_dict({"segment": 1}, environ={})
