@@ -89,6 +89,7 @@ class FaultInjectingStore(StorageBackend):
         return self.inner.exists_prefix(keys)
 
     def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
         self._enter("get_into")
         results = self.inner.get_into(keys, host_blocks)
         for i, ok in enumerate(results):
@@ -99,6 +100,7 @@ class FaultInjectingStore(StorageBackend):
         return results
 
     def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_batch(keys, host_blocks)
         self._enter("put_from")
         fail = [self._roll(self.config.error_rate) for _ in keys]
         chosen = [i for i, f in enumerate(fail) if not f]

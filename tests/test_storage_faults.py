@@ -1,0 +1,72 @@
+"""The fault-injecting wrapper: passes the contract when quiet, injects what it is told."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+
+from kvtier.errors import ConfigError, StorageUnavailable
+from kvtier.host import HostPool
+from kvtier.storage import make_backend
+from kvtier.storage.faults import FaultInjectingStore
+
+
+class TestQuietFaultWrapper(StoreContract):
+    def make_store(self, spec):
+        return make_backend(spec, {"backend": "memory", "faults": {"latency_s": 0.0001}})
+
+
+def _filled_pool(keys):
+    pool = HostPool(CONTRACT_SPEC, 2 * len(keys))
+    for i, key in enumerate(keys):
+        pool.block(i).copy_(expected_block(key, pool.block_bytes))
+    return pool
+
+
+def test_corruption_is_injected_and_every_one_detected() -> None:
+    store = make_backend(CONTRACT_SPEC, {"backend": "memory",
+                                         "faults": {"corrupt_rate": 0.5, "seed": 3}})
+    assert isinstance(store, FaultInjectingStore)
+    keys = make_keys(40)
+    with _filled_pool(keys) as pool:
+        assert all(store.put_from(keys, [pool.block(i) for i in range(40)]))
+        got = store.get_into(keys, [pool.block(40 + i) for i in range(40)])
+        for i, ok in enumerate(got):
+            if ok:
+                assert bool((pool.block(40 + i) == pool.block(i)).all())
+    assert 10 < store.injected["corrupt"] < 30
+    assert store.stats.corrupt == store.injected["corrupt"] == got.count(False)
+
+
+def test_error_rate_fails_keys_not_calls() -> None:
+    store = make_backend(CONTRACT_SPEC, {"backend": "memory",
+                                         "faults": {"error_rate": 0.3, "seed": 1}})
+    keys = make_keys(50)
+    with _filled_pool(keys) as pool:
+        put = store.put_from(keys, [pool.block(i) for i in range(50)])
+        assert put.count(False) == store.injected["put_error"] > 0
+        assert [store.exists_prefix([k]) == 1 for k in keys] == put  # failed puts are invisible
+
+
+def test_outage_window_and_manual_switch() -> None:
+    store = make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {
+        "unavailable_after_s": 0.0, "unavailable_for_s": 0.2}})
+    keys = make_keys(1)
+    with pytest.raises(StorageUnavailable, match="injected outage"):
+        store.exists_prefix(keys)
+    time.sleep(0.25)
+    assert store.exists_prefix(keys) == 0
+    store.set_unavailable(True)
+    with pytest.raises(StorageUnavailable):
+        store.get_into([], [])
+    store.set_unavailable(False)
+    assert store.injected["unavailable"] == 2
+
+
+def test_fault_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="storage.faults.error_rate"):
+        make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"error_rate": 2}})
+    with pytest.raises(ConfigError, match="storage.faults.jitter: unknown fault option"):
+        make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"jitter": 1}})
