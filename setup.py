@@ -7,6 +7,8 @@ setup(
         Extension(
             "kvtier._copy",
             sources=["src/kvtier/_copy.c"],
+            include_dirs=["src/kvtier"],
+            depends=["src/kvtier/third_party/xxhash.h"],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
         )

@@ -197,6 +197,38 @@ class StoreContract:
         store.write_object(keys[2], store.read_object(keys[0]))  # the right bytes, wrong name
         assert self.get(store, pool, keys) == [True, False, False]
 
+    def test_known_checksums_skip_hashing_and_still_protect(self, store, pool) -> None:
+        keys = make_keys(3)
+        blocks = [pool.block(i) for i in range(3)]
+        for key, block in zip(keys, blocks):
+            block.copy_(expected_block(key, block.numel()))
+        right = [payload_checksum(b.numpy()) for b in blocks]
+        assert store.put_from(keys, blocks, checksums=[right[0], None, right[2] ^ 1]) == [True] * 3
+        # A wrong recorded checksum (stale pool metadata) can only cause a miss later.
+        assert self.get(store, pool, keys) == [True, True, False]
+
+    def test_deferred_verification_hands_on_the_stored_checksum(self, store, pool) -> None:
+        keys = make_keys(3)
+        self.put(store, pool, keys)
+        payload = bytearray(store.read_object(keys[1]))
+        payload[HEADER_BYTES + 5] ^= 0x40  # payload damage: only the caller's check can see it
+        store.write_object(keys[1], bytes(payload))
+        header = bytearray(store.read_object(keys[2]))
+        header[20] ^= 0x01  # header damage: caught here as always
+        store.write_object(keys[2], bytes(header))
+        targets = [pool.block(8 + i) for i in range(3)]
+        sums = np.zeros(3, dtype=np.uint64)
+        assert store.get_into(keys, targets, checksums_out=sums) == [True, True, False]
+        actual = [payload_checksum(t.numpy()) for t in targets[:2]]
+        assert int(sums[0]) == actual[0]  # intact: the caller's check passes
+        assert int(sums[1]) != actual[1]  # damaged payload: the caller's check fails
+        corrupt = store.stats.corrupt
+        store.report_corrupt(keys[1], "payload checksum mismatch in the copy")
+        assert store.stats.corrupt == corrupt + 1
+        assert store.exists_prefix(keys[1:2]) == 0
+        with pytest.raises(StorageError, match="3 keys but 2 checksums"):
+            store.get_into(keys, targets, checksums_out=sums[:2])
+
     def test_bad_arguments(self, store, pool) -> None:
         keys = make_keys(2)
         with pytest.raises(StorageError, match="2 keys but 1 host blocks"):

@@ -17,6 +17,7 @@ from kvtier.device import DeviceCache, cache_name
 from kvtier.errors import DeviceCacheDetached, InvalidBlockIds
 from kvtier.host import HostPool
 from kvtier.spec import KVCacheSpec
+from kvtier.storage.format import payload_checksum
 
 COPIERS = {"native": CpuBlockCopier, "torch": TorchBlockCopier}
 
@@ -136,6 +137,25 @@ def test_copier_refuses_mismatched_pool(name: str) -> None:
     cache, pool = DeviceCache.create(SPECS["bf16"], name), HostPool(SPECS["fp16"], 2)
     with cache, pool, pytest.raises(InvalidBlockIds, match="different specs"):
         make_copier(cache, pool)
+
+
+def test_checksums_recorded_by_swap_out_and_verified_by_swap_in(copier_cls, name: str) -> None:
+    spec = SPECS["fp8"]
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 8) as pool:
+        fill_random(cache, seed=9)
+        copier = copier_cls(cache, pool)
+        copier.swap_out([3, 4, 5], [0, 1, 2], checksum=True)
+        known = pool.known_checksums([0, 1, 2, 3])
+        assert known[3] is None
+        assert known[:3] == [payload_checksum(pool.block(i).numpy()) for i in range(3)]
+        pool.block(1)[100] ^= 0xFF  # the host copy of block 4 goes bad
+        ok = copier.swap_in_verified([0, 1, 2, 3], [10, 11, 12, 13])
+        assert ok.tolist() == [True, False, True, False]  # block 3: no known checksum
+        assert all(torch.equal(a, b) for a, b in zip(block_bytes_of(cache, 3),
+                                                     block_bytes_of(cache, 10)))
+        copier.swap_out([6], [0])  # rewritten without a checksum: forgotten
+        assert pool.known_checksums([0]) == [None]
+        assert copier.swap_in_verified([], []).size == 0
 
 
 def test_large_batch_uses_threads_and_stays_correct(name: str) -> None:

@@ -13,6 +13,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#define XXH_STATIC_LINKING_ONLY
+#define XXH_INLINE_ALL
+#include "third_party/xxhash.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -69,6 +72,37 @@ static void *copy_span(void *arg) {
     }
 #if defined(__SSE2__)
     _mm_sfence(); /* streaming stores are visible to other threads before we report done */
+#endif
+    return NULL;
+}
+
+/* Blocks [begin, end) of a hashed copy: each block is `per_block` consecutive pieces. */
+typedef struct {
+    const int64_t *dst;
+    const int64_t *src;
+    const int64_t *size;
+    uint64_t *hashes;
+    Py_ssize_t per_block;
+    Py_ssize_t begin;
+    Py_ssize_t end;
+} BlockSpan;
+
+/* Copy each piece, then hash its source while it is still in cache: the XXH3-64 of a block's
+ * pieces in order equals the XXH3-64 of the page-first block, with no second pass over memory. */
+static void *copy_hash_span(void *arg) {
+    const BlockSpan *s = (const BlockSpan *)arg;
+    XXH3_state_t state;
+    for (Py_ssize_t b = s->begin; b < s->end; b++) {
+        XXH3_64bits_reset(&state);
+        for (Py_ssize_t i = b * s->per_block; i < (b + 1) * s->per_block; i++) {
+            const char *src = (const char *)(intptr_t)s->src[i];
+            copy_piece((char *)(intptr_t)s->dst[i], src, (size_t)s->size[i]);
+            XXH3_64bits_update(&state, src, (size_t)s->size[i]);
+        }
+        s->hashes[b] = XXH3_64bits_digest(&state);
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
 #endif
     return NULL;
 }
@@ -171,7 +205,78 @@ fail:
     return NULL;
 }
 
+static PyObject *copy_blocks_hashed(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj, *size_obj, *hash_obj;
+    Py_ssize_t per_block;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "OOOnOi", &dst_obj, &src_obj, &size_obj, &per_block, &hash_obj,
+                          &num_threads)) {
+        return NULL;
+    }
+    Py_buffer dst, src, size, hashes;
+    if (get_int64_buffer(dst_obj, &dst, "dst_ptrs") < 0) return NULL;
+    if (get_int64_buffer(src_obj, &src, "src_ptrs") < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (get_int64_buffer(size_obj, &size, "sizes") < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(hash_obj, &hashes, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&size);
+        return NULL;
+    }
+    Py_ssize_t n = dst.len / 8;
+    Py_ssize_t blocks = per_block > 0 ? n / per_block : 0;
+    PyObject *result = NULL;
+    if (src.len / 8 != n || size.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "dst_ptrs, src_ptrs and sizes differ in length");
+    } else if (per_block <= 0 || blocks * per_block != n) {
+        PyErr_SetString(PyExc_ValueError, "piece count is not a multiple of pieces per block");
+    } else if (hashes.len != blocks * 8) {
+        PyErr_SetString(PyExc_ValueError, "hashes must hold one uint64 per block");
+    } else {
+        if (num_threads < 1) num_threads = 1;
+        if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+        if (num_threads > blocks) num_threads = (int)(blocks > 0 ? blocks : 1);
+        BlockSpan spans[MAX_THREADS];
+        pthread_t threads[MAX_THREADS];
+        int started[MAX_THREADS] = {0};
+        for (int t = 0; t < num_threads; t++) {
+            spans[t] = (BlockSpan){(const int64_t *)dst.buf, (const int64_t *)src.buf,
+                                   (const int64_t *)size.buf, (uint64_t *)hashes.buf, per_block,
+                                   blocks * t / num_threads, blocks * (t + 1) / num_threads};
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (int t = 1; t < num_threads; t++) {
+            if (pthread_create(&threads[t], NULL, copy_hash_span, &spans[t]) == 0) started[t] = 1;
+        }
+        copy_hash_span(&spans[0]);
+        for (int t = 1; t < num_threads; t++) {
+            if (started[t]) {
+                pthread_join(threads[t], NULL);
+            } else {
+                copy_hash_span(&spans[t]);
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(blocks);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&size);
+    PyBuffer_Release(&hashes);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"copy_blocks_hashed", copy_blocks_hashed, METH_VARARGS,
+     "copy_blocks_hashed(dst_ptrs, src_ptrs, sizes, pieces_per_block, hashes_out, num_threads)"
+     " -> blocks copied; hashes_out[b] = XXH3-64 of block b's source pieces in order"},
     {"copy_pieces", copy_pieces, METH_VARARGS,
      "copy_pieces(dst_ptrs, src_ptrs, sizes, num_threads) -> total bytes copied"},
     {NULL, NULL, 0, NULL},

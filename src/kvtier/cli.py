@@ -125,10 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, each beside the limit it is measured against")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from kvtier_bench import copy as copy_bench
+    from kvtier_bench import storage as storage_bench
 
     b = bench_sub.add_parser("copy", help="device<->host swap GB/s vs contiguous copy and loop")
     copy_bench.add_arguments(b)
     b.set_defaults(func=_bench, bench_report=copy_bench.report)
+    b = bench_sub.add_parser("storage", help="storage save/load GB/s vs raw disk / raw Mooncake")
+    storage_bench.add_arguments(b)
+    b.set_defaults(func=_bench, bench_report=storage_bench.report)
     return p
 
 

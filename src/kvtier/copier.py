@@ -13,6 +13,7 @@ import torch
 from kvtier.device import DeviceCache
 from kvtier.errors import InvalidBlockIds
 from kvtier.host import HostPool
+from kvtier.storage.format import payload_checksum
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ class BlockCopier(ABC):
       list is a no-op.
     - The call returns the number of bytes moved once the bytes are in place (on CUDA, after the
       copy stream is synchronized).
+    - ``swap_out(..., checksum=True)`` also records each host block's XXH3-64 in the host pool
+      (fused into the copy on the native CPU path); without it the pool forgets those blocks'
+      checksums. ``swap_in_verified`` copies like ``swap_in`` and returns, per pair, whether the
+      host block's bytes matched the checksum the pool holds for it (False when none is known);
+      the caller must not use device blocks whose pair is False.
     - A detached device cache raises ``DeviceCacheDetached``.
     - Thread-safe: a swap_out and a swap_in may run at once from two threads, provided they
       do not write the same blocks (the worker's per-direction executors guarantee that).
@@ -52,23 +58,53 @@ class BlockCopier(ABC):
         self.host_pool = host_pool
         self.spec = device_cache.spec
 
-    def swap_out(self, device_block_ids: BlockIds, host_block_ids: BlockIds) -> int:
+    def swap_out(
+        self, device_block_ids: BlockIds, host_block_ids: BlockIds, *, checksum: bool = False
+    ) -> int:
         dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=True)
         if dev.size == 0:
             return 0
-        return self._swap_out(dev, host)
+        moved, hashes = self._swap_out(dev, host, checksum)
+        if checksum:
+            if hashes is None:
+                self.host_pool.compute_checksums(host)
+            else:
+                self.host_pool.set_checksums(host, hashes)
+        else:
+            self.host_pool.forget_checksums(host)
+        return moved
 
     def swap_in(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> int:
         dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=False)
         if dev.size == 0:
             return 0
-        return self._swap_in(host, dev)
+        return self._swap_in(host, dev, False)[0]
+
+    def swap_in_verified(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> np.ndarray:
+        """swap_in, and per pair: did the host block match its recorded checksum?"""
+        dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=False)
+        if dev.size == 0:
+            return np.zeros(0, dtype=bool)
+        _, hashes = self._swap_in(host, dev, True)
+        if hashes is None:  # this copier cannot hash while copying: one pass over the blocks
+            hashes = np.array(
+                [payload_checksum(self.host_pool.slab[h].numpy()) for h in host.tolist()],
+                dtype=np.uint64,
+            )
+        known = self.host_pool._checksum_known[host]
+        return known & (self.host_pool._checksums[host] == hashes)
 
     @abstractmethod
-    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int: ...
+    def _swap_out(
+        self, dev: np.ndarray, host: np.ndarray, checksum: bool
+    ) -> tuple[int, np.ndarray | None]:
+        """Copy; return bytes moved and, if asked and fused, the host blocks' hashes."""
 
     @abstractmethod
-    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int: ...
+    def _swap_in(
+        self, host: np.ndarray, dev: np.ndarray, checksum: bool
+    ) -> tuple[int, np.ndarray | None]:
+        """Copy; return bytes moved and, if asked and fused, the host blocks' hashes."""
 
     def close(self) -> None:
         """Release staging buffers and streams."""
@@ -151,17 +187,25 @@ class CpuBlockCopier(BlockCopier):
         sizes = np.broadcast_to(size[None, :], dev_ptrs.shape)
         return dev_ptrs.ravel(), host_ptrs.ravel(), np.ascontiguousarray(sizes).ravel()
 
-    def _run(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, total: int) -> int:
+    def _run(
+        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, num_blocks: int, checksum: bool
+    ) -> tuple[int, np.ndarray | None]:
+        total = num_blocks * self.spec.block_bytes
         threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
-        return int(_copy.copy_pieces(dst, src, sizes, threads))
+        if not checksum:
+            return int(_copy.copy_pieces(dst, src, sizes, threads)), None
+        # Hash the *source* pieces in page-first order as they are copied (still in cache).
+        hashes = np.empty(num_blocks, dtype=np.uint64)
+        _copy.copy_blocks_hashed(dst, src, sizes, len(self.spec.pieces), hashes, threads)
+        return total, hashes
 
-    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int:
+    def _swap_out(self, dev, host, checksum):
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
-        return self._run(host_ptrs, dev_ptrs, sizes, dev.size * self.spec.block_bytes)
+        return self._run(host_ptrs, dev_ptrs, sizes, dev.size, checksum)
 
-    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int:
+    def _swap_in(self, host, dev, checksum):
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
-        return self._run(dev_ptrs, host_ptrs, sizes, dev.size * self.spec.block_bytes)
+        return self._run(dev_ptrs, host_ptrs, sizes, dev.size, checksum)
 
 
 class _StagedCopier(BlockCopier):
@@ -202,7 +246,7 @@ class _StagedCopier(BlockCopier):
         for start in range(0, dev.size, self.chunk_blocks):
             yield dev[start : start + self.chunk_blocks], host[start : start + self.chunk_blocks]
 
-    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int:
+    def _swap_out(self, dev, host, checksum):
         with self._lock:
             tensors = self._device_tensors()
             for d, h in self._chunks(dev, host):
@@ -211,9 +255,9 @@ class _StagedCopier(BlockCopier):
                     torch.index_select(src, 0, idx, out=out)
                 self._staging_to_host(h)
             self._finish()
-        return dev.size * self.spec.block_bytes
+        return dev.size * self.spec.block_bytes, None
 
-    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int:
+    def _swap_in(self, host, dev, checksum):
         with self._lock:
             tensors = self._device_tensors()
             for d, h in self._chunks(dev, host):
@@ -222,7 +266,7 @@ class _StagedCopier(BlockCopier):
                 for dst, view in zip(tensors, self._staging_views(d.size)):
                     dst.index_copy_(0, idx, view)
             self._finish()
-        return dev.size * self.spec.block_bytes
+        return dev.size * self.spec.block_bytes, None
 
     def _staging_to_host(self, host: np.ndarray) -> None:
         slab = self.host_pool.slab
@@ -275,13 +319,13 @@ class CudaBlockCopier(_StagedCopier):
         super().__init__(device_cache, host_pool, device_cache.device)
         self.stream = torch.cuda.Stream(device=device_cache.device)
 
-    def _swap_out(self, dev: np.ndarray, host: np.ndarray) -> int:
+    def _swap_out(self, dev, host, checksum):
         with torch.cuda.stream(self.stream):
-            return super()._swap_out(dev, host)
+            return super()._swap_out(dev, host, checksum)
 
-    def _swap_in(self, host: np.ndarray, dev: np.ndarray) -> int:
+    def _swap_in(self, host, dev, checksum):
         with torch.cuda.stream(self.stream):
-            return super()._swap_in(host, dev)
+            return super()._swap_in(host, dev, checksum)
 
     def _finish(self) -> None:
         self.stream.synchronize()

@@ -64,6 +64,7 @@ class HostPool:
             flat = torch.empty(self.size_bytes, dtype=torch.uint8)
         flat.zero_()  # pre-touch: every page faulted in now
         self.slab = flat.view(num_blocks, self.block_bytes)
+        self._init_checksums()
         log.info(
             "host pool: %d blocks x %d bytes = %.2f GiB%s%s",
             num_blocks,
@@ -98,7 +99,44 @@ class HostPool:
         pool._lock_fd, pool._path, pool.pinned = None, None, False
         flat = torch.from_file(str(path), shared=True, size=want, dtype=torch.uint8)
         pool.slab = flat.view(num_blocks, spec.block_bytes)
+        pool._init_checksums()
         return pool
+
+    # ---- checksums --------------------------------------------------------------------------
+    #
+    # The XXH3-64 of a block's bytes, when known. The copier records it while it writes a block
+    # (no second pass) and storage backends use it instead of hashing again; a load records the
+    # stored checksum and the copier verifies the bytes while it moves them on. A block written
+    # any other way has no known checksum. A stale value (someone wrote into the block behind
+    # kvtier's back) can only make a stored object fail its check later: a miss, never bad data.
+
+    def _init_checksums(self) -> None:
+        self._checksums = np.zeros(self.num_blocks, dtype=np.uint64)
+        self._checksum_known = np.zeros(self.num_blocks, dtype=bool)
+
+    def set_checksums(self, block_ids: np.ndarray, checksums: np.ndarray) -> None:
+        self._checksums[block_ids] = checksums
+        self._checksum_known[block_ids] = True
+
+    def forget_checksums(self, block_ids: np.ndarray) -> None:
+        self._checksum_known[block_ids] = False
+
+    def known_checksums(self, block_ids) -> list[int | None]:
+        """Per block: its recorded XXH3-64, or None."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        values, known = self._checksums[ids], self._checksum_known[ids]
+        return [int(v) if k else None for v, k in zip(values.tolist(), known.tolist())]
+
+    def compute_checksums(self, block_ids: np.ndarray) -> np.ndarray:
+        """Hash blocks now (a pass over their bytes) and record the result."""
+        from kvtier.storage.format import payload_checksum
+
+        ids = np.asarray(block_ids, dtype=np.int64)
+        values = np.array(
+            [payload_checksum(self.slab[i].numpy()) for i in ids.tolist()], dtype=np.uint64
+        )
+        self.set_checksums(ids, values)
+        return values
 
     # ---- views ------------------------------------------------------------------------------
 

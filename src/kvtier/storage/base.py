@@ -16,6 +16,14 @@ Contract (implementations do not repeat it):
 - ``put_from(keys, host_blocks)`` -> one bool per key: True iff the object is now stored
   (including when it already was: a put of an existing key is a no-op and keeps the old
   object). A failed or interrupted put is never visible to ``exists_prefix`` or ``get_into``.
+- Checksums from the copy: ``put_from(..., checksums=[...])`` takes each block's XXH3-64 when
+  the caller already knows it (``HostPool.known_checksums``, recorded by the copier while it wrote
+  the block; ``None`` entries are hashed here), saving a pass over the bytes.
+  ``get_into(..., checksums_out=array)`` checks every header field but *not* the payload: a True
+  then means "fetched, header valid, payload unverified", and the stored payload checksum is
+  written to ``checksums_out[i]``. The caller must verify the bytes before use (the worker does
+  it inside the host->device copy with ``BlockCopier.swap_in_verified``) and report a mismatch
+  with ``report_corrupt``.
 - ``delete(keys)`` -> number of objects removed; missing keys are ignored.
 - ``usage()`` -> StorageUsage; ``close()`` releases everything; backends are context managers.
 - Every method is thread-safe. A backend that cannot be reached at all raises
@@ -45,6 +53,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError
@@ -98,10 +107,20 @@ class StorageBackend(ABC):
     def exists_prefix(self, keys: Sequence[str]) -> int: ...
 
     @abstractmethod
-    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]: ...
+    def get_into(
+        self,
+        keys: Sequence[str],
+        host_blocks: Sequence[torch.Tensor],
+        checksums_out: np.ndarray | None = None,
+    ) -> list[bool]: ...
 
     @abstractmethod
-    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]: ...
+    def put_from(
+        self,
+        keys: Sequence[str],
+        host_blocks: Sequence[torch.Tensor],
+        checksums: Sequence[int | None] | None = None,
+    ) -> list[bool]: ...
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> int: ...
@@ -114,6 +133,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def write_object(self, key: str, data: bytes) -> None: ...
+
+    def report_corrupt(self, key: str, reason: str) -> None:
+        """A caller found a fetched payload bad (deferred verification): count, log, remove."""
+        self._corrupt(key, ObjectCorrupt(reason))
+        self.delete([key])
 
     def register_host_pool(self, pool) -> None:  # noqa: B027 - optional hook
         """Called once per HostPool before it is used; zero-copy backends register it."""
@@ -129,9 +153,13 @@ class StorageBackend(ABC):
 
     # ---- helpers for implementations --------------------------------------------------------
 
-    def _check_batch(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> None:
+    def _check_batch(
+        self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor], extra=None
+    ) -> None:
         if len(keys) != len(host_blocks):
             raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
+        if extra is not None and len(extra) != len(keys):
+            raise StorageError(f"{len(keys)} keys but {len(extra)} checksums")
         for i, block in enumerate(host_blocks):
             if block.dtype != torch.uint8 or block.numel() != self.payload_bytes:
                 raise StorageError(

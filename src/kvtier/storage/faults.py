@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
-
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageUsage
 
@@ -88,10 +86,10 @@ class FaultInjectingStore(StorageBackend):
         self._enter("exists_prefix")
         return self.inner.exists_prefix(keys)
 
-    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
+    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out)
         self._enter("get_into")
-        results = self.inner.get_into(keys, host_blocks)
+        results = self.inner.get_into(keys, host_blocks, checksums_out)
         for i, ok in enumerate(results):
             if ok and self._roll(self.config.error_rate):
                 results[i] = False
@@ -99,12 +97,16 @@ class FaultInjectingStore(StorageBackend):
                     self.injected["get_error"] += 1
         return results
 
-    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
+    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums)
         self._enter("put_from")
         fail = [self._roll(self.config.error_rate) for _ in keys]
         chosen = [i for i, f in enumerate(fail) if not f]
-        stored = self.inner.put_from([keys[i] for i in chosen], [host_blocks[i] for i in chosen])
+        stored = self.inner.put_from(
+            [keys[i] for i in chosen],
+            [host_blocks[i] for i in chosen],
+            None if checksums is None else [checksums[i] for i in chosen],
+        )
         results = [False] * len(keys)
         for i, ok in zip(chosen, stored):
             results[i] = ok
@@ -142,6 +144,9 @@ class FaultInjectingStore(StorageBackend):
 
     def register_host_pool(self, pool) -> None:
         self.inner.register_host_pool(pool)
+
+    def report_corrupt(self, key: str, reason: str) -> None:
+        self.inner.report_corrupt(key, reason)
 
     def close(self) -> None:
         self.inner.close()

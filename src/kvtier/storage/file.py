@@ -29,6 +29,7 @@ fsync policy (``fsync``):
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import logging
@@ -48,7 +49,7 @@ import torch
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_object, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, payload_checksum
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +139,15 @@ class FileStore(StorageBackend):
                 return n
         return len(keys)
 
-    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
-        return self._count_gets(self._map(self._get_one, keys, host_blocks))
+    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out)
+        fn = functools.partial(self._get_one, checksums_out=checksums_out)
+        return self._count_gets(self._map(fn, keys, host_blocks))
 
-    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
-        results = self._count_puts(self._map(self._put_one, keys, host_blocks))
+    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums)
+        fn = functools.partial(self._put_one, checksums=checksums)
+        results = self._count_puts(self._map(fn, keys, host_blocks))
         self._evict_if_needed()
         return results
 
@@ -168,12 +171,20 @@ class FileStore(StorageBackend):
         os.replace(tmp, path)
         self._indexed(path.name, len(data))
 
+    def drop_page_cache(self, keys: Sequence[str]) -> None:
+        """Ask the OS to drop these objects from the page cache (cold-read benchmarks).
+
+        Only clean pages can be dropped: call ``os.sync()`` first after writing.
+        """
+        for key in keys:
+            _drop_page_cache(self._path(key))
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
     # ---- one object -------------------------------------------------------------------------
 
-    def _get_one(self, key: str, block: torch.Tensor) -> bool:
+    def _get_one(self, index: int, key: str, block: torch.Tensor, checksums_out=None) -> bool:
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -191,7 +202,7 @@ class FileStore(StorageBackend):
             n = os.preadv(fd, [header, payload], 0)
             if n != self.object_bytes:
                 raise ObjectCorrupt(f"short read: {n} of {self.object_bytes} bytes")
-            check_object(header, payload, self.fingerprint, key)
+            check_or_defer(header, payload, self.fingerprint, key, checksums_out, index)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(path)
@@ -208,12 +219,14 @@ class FileStore(StorageBackend):
         self._touch(path.name)
         return True
 
-    def _put_one(self, key: str, block: torch.Tensor) -> bool:
+    def _put_one(self, index: int, key: str, block: torch.Tensor, checksums=None) -> bool:
         path = self._path(key)
         if os.path.exists(path):
             return True  # immutable: the stored object stays
         payload = memoryview(block.numpy())
-        header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
+        known = checksums[index] if checksums is not None else None
+        checksum = payload_checksum(payload) if known is None else known
+        header = encode_header(self.fingerprint, key, len(payload), checksum)
         tmp = self._tmp_path()
         try:
             self._write_tmp(tmp, header, payload)
@@ -355,8 +368,8 @@ class FileStore(StorageBackend):
 
     def _map(self, fn, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
         if len(keys) < PARALLEL_MIN_KEYS:
-            return [fn(k, b) for k, b in zip(keys, blocks)]
-        return list(self._pool.map(fn, keys, blocks))
+            return [fn(i, k, b) for i, (k, b) in enumerate(zip(keys, blocks))]
+        return list(self._pool.map(fn, range(len(keys)), keys, blocks))
 
 
 def _advance(buffers: list, n: int) -> list:
@@ -370,6 +383,17 @@ def _advance(buffers: list, n: int) -> list:
         out.append(view[n:])
         n = 0
     return out
+
+
+def _drop_page_cache(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -85,3 +85,12 @@ def check_object(header, payload, fingerprint: str, key: str) -> None:
     expected = parse_header(header, fingerprint, key, len(payload))
     if payload_checksum(payload) != expected:
         raise ObjectCorrupt("payload checksum mismatch")
+
+
+def check_or_defer(header, payload, fingerprint: str, key: str, checksums_out, index: int) -> None:
+    """``check_object``; or, when ``checksums_out`` is given, check the header only and write
+    its payload checksum to ``checksums_out[index]`` for the caller to verify the bytes later."""
+    if checksums_out is None:
+        check_object(header, payload, fingerprint, key)
+    else:
+        checksums_out[index] = parse_header(header, fingerprint, key, len(payload))

@@ -7,12 +7,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from kvtier.errors import ObjectCorrupt
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_object, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, payload_checksum
 
 
 class MemoryStore(StorageBackend):
@@ -35,10 +34,10 @@ class MemoryStore(StorageBackend):
                     return n
         return len(keys)
 
-    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
+    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out)
         results = []
-        for key, block in zip(keys, host_blocks):
+        for i, (key, block) in enumerate(zip(keys, host_blocks)):
             with self._lock:
                 data = self._objects.get(key)
                 if data is not None:
@@ -50,7 +49,14 @@ class MemoryStore(StorageBackend):
             try:
                 if len(data) != self.object_bytes:
                     raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
-                check_object(view[:HEADER_BYTES], view[HEADER_BYTES:], self.fingerprint, key)
+                check_or_defer(
+                    view[:HEADER_BYTES],
+                    view[HEADER_BYTES:],
+                    self.fingerprint,
+                    key,
+                    checksums_out,
+                    i,
+                )
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
                 self.delete([key])
@@ -60,14 +66,16 @@ class MemoryStore(StorageBackend):
             results.append(True)
         return self._count_gets(results)
 
-    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
-        for key, block in zip(keys, host_blocks):
+    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums)
+        for i, (key, block) in enumerate(zip(keys, host_blocks)):
             with self._lock:
                 if key in self._objects:
                     continue
             payload = block.numpy()
-            header = encode_header(self.fingerprint, key, payload.size, payload_checksum(payload))
+            known = checksums[i] if checksums is not None else None
+            checksum = payload_checksum(payload) if known is None else known
+            header = encode_header(self.fingerprint, key, payload.size, checksum)
             self._store(key, header + payload.tobytes())
         return self._count_puts([True] * len(keys))
 

@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
@@ -32,13 +33,15 @@ import torch
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_object, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, payload_checksum
 
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
 ENV_PREFIX = "KVTIER_MOONCAKE_"
 PROBE_TIMEOUT_S = 0.5
+# Batches are moved in chunks of about this size so that checksums overlap the transfers.
+PIPELINE_CHUNK_BYTES = 128 << 20
 
 
 class Outcome(Enum):
@@ -82,7 +85,9 @@ class MooncakeConfig:
     protocol: str = "tcp"
     device_name: str = ""
     local_hostname: str = "127.0.0.1"
-    global_segment_size: int = 1 << 30  # bytes this client contributes to the store
+    # Bytes this client contributes to the store. Objects live in the segments of live clients:
+    # 0 makes a pure client whose objects live on storage nodes (see LocalStoreNode).
+    global_segment_size: int = 1 << 30
     local_buffer_size: int = 256 << 20
     connect_timeout_s: float = 2.0
 
@@ -94,10 +99,12 @@ class MooncakeConfig:
             raise ConfigError(
                 "storage.master_address", f"must be host:port, got {self.master_address!r}"
             )
-        for name in ("global_segment_size", "local_buffer_size"):
+        for name, least in (("global_segment_size", 0), ("local_buffer_size", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"storage.{name}", f"must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(
+                    f"storage.{name}", f"must be an integer >= {least}, got {value!r}"
+                )
         if not self.connect_timeout_s > 0:
             raise ConfigError("storage.connect_timeout_s", "must be > 0")
 
@@ -147,7 +154,7 @@ class _Registered:
     base: int
     end: int
     block_bytes: int
-    headers: torch.Tensor  # one HEADER_BYTES slot per host block, registered too
+    headers: np.ndarray  # [num_blocks, HEADER_BYTES]: one header slot per host block, registered
 
 
 class MooncakeStore(StorageBackend):
@@ -187,6 +194,7 @@ class MooncakeStore(StorageBackend):
         self._stored_objects = 0
         self._closed = False
         self._down = False
+        self._transfers = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake")
 
     # ---- registration -----------------------------------------------------------------------
 
@@ -194,37 +202,34 @@ class MooncakeStore(StorageBackend):
         with self._lock:
             if any(r.base == pool.base_address for r in self._regions):
                 return
-            headers = torch.zeros(pool.num_blocks * HEADER_BYTES, dtype=torch.uint8)
+            headers = np.zeros((pool.num_blocks, HEADER_BYTES), dtype=np.uint8)
             for ptr, size in (
                 (pool.base_address, pool.size_bytes),
-                (headers.data_ptr(), headers.numel()),
+                (headers.ctypes.data, headers.nbytes),
             ):
                 rc = self._store.register_buffer(ptr, size)
                 if rc != 0:
                     raise StorageError(f"mooncake register_buffer failed: {describe(rc)}")
-            self._regions.append(
-                _Registered(
-                    pool.base_address,
-                    pool.base_address + pool.size_bytes,
-                    pool.block_bytes,
-                    headers,
-                )
-            )
+            end = pool.base_address + pool.size_bytes
+            self._regions.append(_Registered(pool.base_address, end, pool.block_bytes, headers))
 
     def _slots(self, host_blocks: Sequence[torch.Tensor]) -> list[tuple[np.ndarray, int, int]]:
         """(header slot view, header address, block address) of each block."""
         out = []
+        region = self._regions[0] if self._regions else None
         for i, block in enumerate(host_blocks):
             ptr = block.data_ptr()
-            region = next((r for r in self._regions if r.base <= ptr < r.end), None)
+            if region is None or not region.base <= ptr < region.end:
+                region = next((r for r in self._regions if r.base <= ptr < r.end), None)
             if region is None or (ptr - region.base) % region.block_bytes:
                 raise StorageError(
                     f"host block {i} is not a block of a registered HostPool: "
                     "call register_host_pool(pool) first"
                 )
             index = (ptr - region.base) // region.block_bytes
-            slot = region.headers[index * HEADER_BYTES : (index + 1) * HEADER_BYTES]
-            out.append((slot.numpy(), slot.data_ptr(), ptr))
+            out.append(
+                (region.headers[index], region.headers.ctypes.data + index * HEADER_BYTES, ptr)
+            )
         return out
 
     # ---- contract ---------------------------------------------------------------------------
@@ -240,29 +245,39 @@ class MooncakeStore(StorageBackend):
                 return n
         return len(keys)
 
-    def put_from(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
+    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums)
         if not keys:
             return []
         slots = self._slots(host_blocks)
         self._guard()
-        for key, block, (slot, _, _) in zip(keys, host_blocks, slots):
-            payload = block.numpy()
-            slot[:] = np.frombuffer(
-                encode_header(self.fingerprint, key, payload.size, payload_checksum(payload)),
-                dtype=np.uint8,
+
+        def prepare(chunk: range) -> None:
+            for i in chunk:
+                payload = host_blocks[i].numpy()
+                known = checksums[i] if checksums is not None else None
+                checksum = payload_checksum(payload) if known is None else known
+                header = encode_header(self.fingerprint, keys[i], payload.size, checksum)
+                slots[i][0].data.cast("B")[:] = header
+
+        def transfer(chunk: range) -> list[int]:
+            return self._store.batch_put_from_multi_buffers(
+                [keys[i] for i in chunk],
+                [[slots[i][1], slots[i][2]] for i in chunk],
+                [[HEADER_BYTES, self.payload_bytes]] * len(chunk),
             )
-        codes = self._store.batch_put_from_multi_buffers(
-            list(keys),
-            [[h, b] for _, h, b in slots],
-            [[HEADER_BYTES, self.payload_bytes]] * len(keys),
-        )
+
+        # Checksums of chunk k+1 are computed while chunk k is on the wire (GIL released).
+        chunks = self._chunks(len(keys))
+        prepare(chunks[0])
+        codes: list[int] = []
+        for k, chunk in enumerate(chunks):
+            pending = self._transfers.submit(transfer, chunk)
+            if k + 1 < len(chunks):
+                prepare(chunks[k + 1])
+            codes += pending.result()
         outcomes = [_classify(c) for c in codes]
-        if all(o is Outcome.UNREACHABLE for o in outcomes):
-            raise StorageUnavailable(
-                f"mooncake master {self.config.master_address} "
-                f"is unreachable (put: {describe(codes[0])})"
-            )
+        self._check_reachable(outcomes, codes, "put")
         results = [o is Outcome.OK for o in outcomes]
         failed = [describe(c) for c, ok in zip(codes, results) if not ok]
         if failed:
@@ -272,42 +287,58 @@ class MooncakeStore(StorageBackend):
             self._stored_bytes += sum(results) * self.object_bytes
         return self._count_puts(results)
 
-    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
-        self._check_batch(keys, host_blocks)
+    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out)
         if not keys:
             return []
         slots = self._slots(host_blocks)
         self._guard()
-        codes = self._store.batch_get_into_multi_buffers(
-            list(keys),
-            [[h, b] for _, h, b in slots],
-            [[HEADER_BYTES, self.payload_bytes]] * len(keys),
-        )
-        outcomes = [_classify(c, self.object_bytes) for c in codes]
-        if all(o is Outcome.UNREACHABLE for o in outcomes):
-            raise StorageUnavailable(
-                f"mooncake master {self.config.master_address} "
-                f"is unreachable (get: {describe(codes[0])})"
+
+        def transfer(chunk: range) -> list[int]:
+            return self._store.batch_get_into_multi_buffers(
+                [keys[i] for i in chunk],
+                [[slots[i][1], slots[i][2]] for i in chunk],
+                [[HEADER_BYTES, self.payload_bytes]] * len(chunk),
             )
-        results = []
-        for key, block, (slot, _, _), outcome, code in zip(
-            keys, host_blocks, slots, outcomes, codes
-        ):
-            if outcome is not Outcome.OK:
-                if code is not None and code >= 0:  # present but not our size: corrupt
-                    self._corrupt(key, ObjectCorrupt(f"object is {code} bytes"))
-                    self.delete([key])
-                results.append(False)
-                continue
-            try:
-                check_object(slot, block.numpy(), self.fingerprint, key)
-            except ObjectCorrupt as e:
-                self._corrupt(key, e)
-                self.delete([key])
-                results.append(False)
-                continue
-            results.append(True)
+
+        # Chunk k+1 is fetched while chunk k is verified.
+        chunks = self._chunks(len(keys))
+        pending = self._transfers.submit(transfer, chunks[0])
+        results: list[bool] = []
+        codes: list[int] = []
+        for k, chunk in enumerate(chunks):
+            chunk_codes = pending.result()
+            if k + 1 < len(chunks):
+                pending = self._transfers.submit(transfer, chunks[k + 1])
+            codes += chunk_codes
+            if k == 0:
+                self._check_reachable(
+                    [_classify(c, self.object_bytes) for c in chunk_codes], chunk_codes, "get"
+                )
+            for i, code in zip(chunk, chunk_codes):
+                results.append(
+                    self._verify(i, keys[i], host_blocks[i], slots[i][0], code, checksums_out)
+                )
         return self._count_gets(results)
+
+    def _verify(self, index, key, block, header, code, checksums_out) -> bool:
+        outcome = _classify(code, self.object_bytes)
+        if outcome is not Outcome.OK:
+            if code is not None and code >= 0:  # present but not the size we store: corrupt
+                self._corrupt(key, ObjectCorrupt(f"object is {code} bytes"))
+                self.delete([key])
+            return False
+        try:
+            check_or_defer(header, block.numpy(), self.fingerprint, key, checksums_out, index)
+        except ObjectCorrupt as e:
+            self._corrupt(key, e)
+            self.delete([key])
+            return False
+        return True
+
+    def _chunks(self, n: int) -> list[range]:
+        per_chunk = max(1, PIPELINE_CHUNK_BYTES // self.object_bytes)
+        return [range(i, min(n, i + per_chunk)) for i in range(0, n, per_chunk)]
 
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -344,8 +375,9 @@ class MooncakeStore(StorageBackend):
             self._closed = True
             for region in self._regions:
                 self._store.unregister_buffer(region.base)
-                self._store.unregister_buffer(region.headers.data_ptr())
+                self._store.unregister_buffer(region.headers.ctypes.data)
             self._regions.clear()
+        self._transfers.shutdown(wait=True)
         self._store.close()
 
     def _check_reachable(self, outcomes: list[Outcome], codes: list[int], what: str) -> None:
@@ -458,3 +490,89 @@ class LocalMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LocalStoreNode:
+    """A process that contributes ``segment_bytes`` of memory to a Mooncake store and idles.
+
+    The shape of a cluster deployment on one machine: engines' workers are pure clients
+    (``global_segment_size=0``) and the objects live in a storage node's segment, reached over
+    TCP (or RDMA). Started by ``start()``, which returns once the segment is mounted.
+    """
+
+    def __init__(self, master: LocalMaster, segment_bytes: int) -> None:
+        self.master = master
+        self.segment_bytes = segment_bytes
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30.0) -> LocalStoreNode:
+        import sys
+
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.storage.mooncake",
+                self.master.master_address,
+                self.master.metadata_server,
+                str(self.segment_bytes),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        ready = _read_line(self.process, timeout_s)
+        if ready.strip() != "ready":
+            self.stop()
+            raise StorageError(f"mooncake store node did not start: {ready!r}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+    def __enter__(self) -> LocalStoreNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
+    import selectors
+
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(process.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            return "(timed out)"
+    return process.stdout.readline().decode(errors="replace")
+
+
+def _serve_segment(master_address: str, metadata_server: str, segment_bytes: int) -> int:
+    from mooncake.store import MooncakeDistributedStore
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        "127.0.0.1", metadata_server, segment_bytes, 16 << 20, "tcp", "", master_address
+    )
+    print("ready" if rc == 0 else f"setup failed: {rc}", flush=True)
+    if rc == 0:
+        stop.wait()
+        store.close()
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_serve_segment(sys.argv[1], sys.argv[2], int(sys.argv[3])))

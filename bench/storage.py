@@ -1,0 +1,318 @@
+"""`kvtier bench storage`: save / load of N page-first blocks per backend, beside the raw limit.
+
+- file: kvtier's FileStore (header, checksum, temp file + rename, index) against a raw write /
+  read of the same bytes in the same number of files, with the same fsync policy and the same
+  number of I/O threads; loads warm (page cache) and cold (after fsync + POSIX_FADV_DONTNEED).
+- mooncake: kvtier's MooncakeStore (header slot + payload, checksums, verification) against raw
+  ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
+  pool, through the same client.
+GB/s counts payload bytes (the page-first blocks) for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from kvtier import HostPool, KVCacheSpec
+from kvtier.keys import KeyScheme, block_hashes
+from kvtier.storage import make_backend
+from kvtier_bench.common import gbps, median_seconds, print_json_rows, print_table, progress
+
+COLUMNS = [
+    ("backend", "backend", "s"),
+    ("op", "op", "s"),
+    ("object_mib", "object MiB", ".0f"),
+    ("num_objects", "N", "d"),
+    ("gbps", "GB/s", ".2f"),
+    ("raw_gbps", "raw GB/s", ".2f"),
+    ("ratio_to_raw", "x raw", ".2f"),
+]
+
+# 1 MiB: 16 layers x K,V x 8 heads x 16 tokens x 128 x bf16. 8 MiB: 32 layers, 64 tokens.
+SIZES = {
+    1: dict(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128),
+    8: dict(num_layers=32, num_kv_heads=8, block_size=64, head_dim=128),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default="file,mooncake", help="comma-separated")
+    p.add_argument("--sizes", default="1,8", help="object sizes in MiB: 1 and/or 8")
+    p.add_argument(
+        "--bytes-per-run",
+        type=int,
+        default=512 << 20,
+        help="bytes per timed save/load (N = this / object size)",
+    )
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--root", default=None, help="file store directory (default: a temp dir)")
+    p.add_argument("--fsync", default="none", choices=["none", "data", "full"])
+    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument(
+        "--mooncake-master",
+        default=None,
+        help="host:port of a running master (default: start one on loopback)",
+    )
+    p.add_argument("--mooncake-metadata", default=None, help="its metadata server URL")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    rows: list[dict] = []
+    for size in [int(s) for s in args.sizes.split(",") if s]:
+        if size not in SIZES:
+            raise SystemExit(f"--sizes: {size} not in {sorted(SIZES)}")
+        spec = KVCacheSpec(num_blocks=1, dtype="bfloat16", **SIZES[size])
+        n = max(1, args.bytes_per_run // spec.block_bytes)
+        with HostPool(spec, 2 * n, pin=False) as pool:
+            gen = torch.Generator().manual_seed(size)
+            pool.slab.copy_(
+                torch.randint(0, 256, pool.slab.shape, dtype=torch.uint8, generator=gen)
+            )
+            for backend in [b for b in args.backends.split(",") if b]:
+                progress(f"{backend}: {n} objects of {spec.block_bytes >> 20} MiB")
+                if backend == "file":
+                    rows += _bench_file(args, spec, pool, n)
+                elif backend == "mooncake":
+                    rows += _bench_mooncake(args, spec, pool, n, remote=True)
+                    rows += _bench_mooncake(args, spec, pool, n, remote=False)
+                else:
+                    raise SystemExit(f"--backends: {backend!r} is not file or mooncake")
+    return rows
+
+
+def _keys(spec: KVCacheSpec, n: int) -> list[str]:
+    scheme = KeyScheme(f"bench-{uuid.uuid4().hex[:8]}", spec.fingerprint)
+    tokens = torch.randint(0, 100_000, (n * spec.block_size,)).numpy()
+    return scheme.keys(block_hashes(tokens, spec.block_size))
+
+
+def _row(backend, op, spec, n, t, t_raw, runs) -> dict:
+    nbytes = n * spec.block_bytes
+    return {
+        "backend": backend,
+        "op": op,
+        "object_bytes": spec.block_bytes,
+        "object_mib": spec.block_bytes / 2**20,
+        "num_objects": n,
+        "gbps": gbps(nbytes, t),
+        "raw_gbps": gbps(nbytes, t_raw),
+        "ratio_to_raw": t_raw / t,
+        "runs": runs,
+    }
+
+
+def _median_fresh(
+    op: Callable[[list], None],
+    fresh: Callable[[], list],
+    cleanup: Callable[[list], None],
+    runs: int,
+) -> float:
+    """Median time of ``op`` on fresh inputs each run (fresh keys: saves are not no-ops)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(runs + 1):
+        inputs = fresh()
+        start = time.perf_counter()
+        op(inputs)
+        times.append(time.perf_counter() - start)
+        cleanup(inputs)
+    return statistics.median(times[1:])  # the first run warms up
+
+
+# ---- file ------------------------------------------------------------------------------------
+
+
+def _bench_file(args, spec, pool, n) -> list[dict]:
+    root = Path(args.root or tempfile.mkdtemp(prefix="kvtier-bench-"))
+    store_dir, raw_dir = root / "store", root / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    blocks = [pool.block(i) for i in range(n)]
+    targets = [pool.block(n + i) for i in range(n)]
+    threads = ThreadPoolExecutor(args.io_threads)
+    store = make_backend(
+        spec,
+        {
+            "backend": "file",
+            "root": str(store_dir),
+            "fsync": args.fsync,
+            "io_threads": args.io_threads,
+        },
+    )
+    header = bytes(64)
+    sync_data = args.fsync != "none"
+
+    def raw_write(paths):
+        def one(i):
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwritev(fd, [header, memoryview(blocks[i].numpy())], 0)
+            if sync_data:
+                os.fdatasync(fd)
+            os.close(fd)
+
+        list(threads.map(one, range(n)))
+
+    def raw_read(paths, cold):
+        def one(i):
+            fd = os.open(paths[i], os.O_RDONLY)
+            if cold:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.preadv(fd, [bytearray(64), memoryview(targets[i].numpy())], 0)
+            os.close(fd)
+
+        list(threads.map(one, range(n)))
+
+    def fresh_paths():
+        return [raw_dir / f"{uuid.uuid4().hex}.raw" for _ in range(n)]
+
+    def remove(paths):
+        for p in paths:
+            os.unlink(p)
+
+    rows = []
+    try:
+        t = _median_fresh(
+            lambda keys: store.put_from(keys, blocks),
+            lambda: _keys(spec, n),
+            store.delete,
+            args.runs,
+        )
+        t_raw = _median_fresh(raw_write, fresh_paths, remove, args.runs)
+        rows.append(_row("file", "save", spec, n, t, t_raw, args.runs))
+        keys, paths = _keys(spec, n), fresh_paths()
+        store.put_from(keys, blocks)
+        raw_write(paths)
+        os.sync()
+        for cold in (False, True):
+
+            def load(k=keys, cold=cold):
+                if cold:
+                    store.drop_page_cache(k)
+                got = store.get_into(k, targets)
+                assert all(got), "bench storage: a load missed"
+
+            t = median_seconds(load, args.runs)
+            t_raw = median_seconds(lambda cold=cold: raw_read(paths, cold), args.runs)
+            rows.append(
+                _row("file", "load_cold" if cold else "load_warm", spec, n, t, t_raw, args.runs)
+            )
+        assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
+    finally:
+        threads.shutdown()
+        store.close()
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            shutil.rmtree(raw_dir, ignore_errors=True)
+    for row in rows:
+        row["fsync"] = args.fsync
+    return rows
+
+
+# ---- mooncake --------------------------------------------------------------------------------
+
+
+def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
+    """remote: objects live in a separate store-node process, reached over TCP loopback (the
+    cluster shape: workers are pure clients). local: in this process's own segment (a memcpy:
+    the worst case for the relative cost of checksums)."""
+    from kvtier.storage.mooncake import LocalMaster, LocalStoreNode
+
+    name = "mooncake" if remote else "mooncake-local"
+    master = node = None
+    segment = 4 * n * (spec.block_bytes + 64) + (64 << 20)
+    if args.mooncake_master:
+        config = {
+            "backend": "mooncake",
+            "master_address": args.mooncake_master,
+            "metadata_server": args.mooncake_metadata,
+        }
+    else:
+        master = LocalMaster().start()
+        config = master.config()
+        if remote:
+            node = LocalStoreNode(master, segment).start()
+    store = make_backend(spec, {**config, "global_segment_size": 0 if remote else segment})
+    store.register_host_pool(pool)
+    client = store._store  # the same client, for the raw calls
+    blocks = [pool.block(i) for i in range(n)]
+    targets = [pool.block(n + i) for i in range(n)]
+    ptrs = [b.data_ptr() for b in blocks]
+    target_ptrs = [b.data_ptr() for b in targets]
+    sizes = [spec.block_bytes] * n
+
+    def raw_put(keys):
+        codes = client.batch_put_from(keys, ptrs, sizes)
+        assert all(c == 0 for c in codes), f"raw put failed: {set(codes)}"
+
+    def remove(keys):
+        client.batch_remove(keys, True)
+
+    rows = []
+    try:
+        t = _median_fresh(
+            lambda keys: store.put_from(keys, blocks),
+            lambda: _keys(spec, n),
+            store.delete,
+            args.runs,
+        )
+        t_raw = _median_fresh(raw_put, lambda: _keys(spec, n), remove, args.runs)
+        rows.append(_row(name, "save", spec, n, t, t_raw, args.runs))
+        keys, raw_keys = _keys(spec, n), _keys(spec, n)
+        assert all(store.put_from(keys, blocks))
+        raw_put(raw_keys)
+
+        def load():
+            assert all(store.get_into(keys, targets)), "bench storage: a load missed"
+
+        def raw_get():
+            client.batch_get_into(raw_keys, target_ptrs, sizes)
+
+        t = median_seconds(load, args.runs)
+        t_raw = median_seconds(raw_get, args.runs)
+        load()
+        assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
+        rows.append(_row(name, "load", spec, n, t, t_raw, args.runs))
+        remove(keys + raw_keys)
+    finally:
+        store.close()
+        if node is not None:
+            node.stop()
+        if master is not None:
+            master.stop()
+    return rows
+
+
+def report(args: argparse.Namespace) -> int:
+    rows = run(args)
+    if args.json:
+        print_json_rows(rows)
+    else:
+        print(
+            f"kvtier bench storage (median of {args.runs} runs; file fsync={args.fsync}, "
+            f"{args.io_threads} I/O threads; GB/s of payload)"
+        )
+        print_table(rows, COLUMNS)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvtier bench storage", description=__doc__)
+    add_arguments(p)
+    return report(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
