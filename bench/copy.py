@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from kvtier_bench.common import gbps, median_seconds, print_json_rows, print_table, progress
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
 from kvtier.device import cache_name
+from kvtier_bench.common import gbps, median_seconds, print_json_rows, print_table, progress
 
 COLUMNS = [
     ("block_size", "block_size", "d"),

@@ -1,5 +1,10 @@
 """`kvtier bench storage`: save / load of N page-first blocks per backend, beside the raw limit.
 
+Ops: ``save`` hashes each payload in the backend; ``save_prehashed`` uses the checksum the copier
+recorded while it wrote the block (the worker's save path); ``load`` verifies every payload in
+the backend; ``load_deferred`` checks headers and leaves the payload check to the host->device
+copy, which hashes while it copies (the worker's load path; see ``kvtier bench copy``).
+
 - file: kvtier's FileStore (header, checksum, temp file + rename, index) against a raw write /
   read of the same bytes in the same number of files, with the same fsync policy and the same
   number of I/O threads; loads warm (page cache) and cold (after fsync + POSIX_FADV_DONTNEED).
@@ -14,18 +19,23 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvtier import HostPool, KVCacheSpec
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
-from kvtier_bench.common import gbps, median_seconds, print_json_rows, print_table, progress
+from kvtier.storage.format import payload_checksum
+from kvtier_bench.common import gbps, print_json_rows, print_table, progress
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -111,24 +121,51 @@ def _row(backend, op, spec, n, t, t_raw, runs) -> dict:
     }
 
 
-def _median_fresh(
-    op: Callable[[list], None],
-    fresh: Callable[[], list],
-    cleanup: Callable[[list], None],
-    runs: int,
-) -> float:
-    """Median time of ``op`` on fresh inputs each run (fresh keys: saves are not no-ops)."""
-    import statistics
-    import time
+class Trial(NamedTuple):
+    """One thing to time: ``op(fresh())`` with ``cleanup(inputs)`` after, untimed."""
 
-    times = []
-    for _ in range(runs + 1):
-        inputs = fresh()
-        start = time.perf_counter()
-        op(inputs)
-        times.append(time.perf_counter() - start)
-        cleanup(inputs)
-    return statistics.median(times[1:])  # the first run warms up
+    fresh: Callable[[], Any]
+    op: Callable[[Any], None]
+    cleanup: Callable[[Any], None] = lambda _: None
+
+
+def _interleaved(trials: dict[str, Trial], runs: int) -> dict[str, float]:
+    """Median seconds per trial, running the trials in turn each round so that ours and the
+    raw limit see the same machine noise. The first round warms up and is not counted."""
+    times: dict[str, list[float]] = {name: [] for name in trials}
+    for round_ in range(runs + 1):
+        for name, trial in trials.items():
+            inputs = trial.fresh()
+            start = time.perf_counter()
+            trial.op(inputs)
+            elapsed = time.perf_counter() - start
+            trial.cleanup(inputs)
+            if round_:
+                times[name].append(elapsed)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _rows(backend, spec, n, medians: dict[str, float], raw: str, runs: int) -> list[dict]:
+    return [
+        _row(backend, op, spec, n, t, medians[raw], runs) for op, t in medians.items() if op != raw
+    ]
+
+
+def _save_trials(store, spec, blocks) -> dict[str, Trial]:
+    """``save`` (the backend hashes) and ``save_prehashed`` (checksums known from the copy)."""
+    n = len(blocks)
+    known = [payload_checksum(b.numpy()) for b in blocks]
+
+    def fresh():
+        return _keys(spec, n)
+
+    def save(keys, sums=None):
+        assert all(store.put_from(keys, blocks, sums)), "bench storage: a save failed"
+
+    return {
+        "save": Trial(fresh, save, store.delete),
+        "save_prehashed": Trial(fresh, lambda k: save(k, known), store.delete),
+    }
 
 
 # ---- file ------------------------------------------------------------------------------------
@@ -182,31 +219,27 @@ def _bench_file(args, spec, pool, n) -> list[dict]:
 
     rows = []
     try:
-        t = _median_fresh(
-            lambda keys: store.put_from(keys, blocks),
-            lambda: _keys(spec, n),
-            store.delete,
-            args.runs,
-        )
-        t_raw = _median_fresh(raw_write, fresh_paths, remove, args.runs)
-        rows.append(_row("file", "save", spec, n, t, t_raw, args.runs))
+        trials = {"raw": Trial(fresh_paths, raw_write, remove), **_save_trials(store, spec, blocks)}
+        rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
         keys, paths = _keys(spec, n), fresh_paths()
         store.put_from(keys, blocks)
         raw_write(paths)
         os.sync()
-        for cold in (False, True):
+        sums = np.zeros(n, dtype=np.uint64)
+        for temp in ("warm", "cold"):
+            cold = temp == "cold"
 
-            def load(k=keys, cold=cold):
+            def load(out, cold=cold):
                 if cold:
-                    store.drop_page_cache(k)
-                got = store.get_into(k, targets)
-                assert all(got), "bench storage: a load missed"
+                    store.drop_page_cache(keys)
+                assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
 
-            t = median_seconds(load, args.runs)
-            t_raw = median_seconds(lambda cold=cold: raw_read(paths, cold), args.runs)
-            rows.append(
-                _row("file", "load_cold" if cold else "load_warm", spec, n, t, t_raw, args.runs)
-            )
+            trials = {
+                "raw": Trial(lambda: None, lambda _, cold=cold: raw_read(paths, cold)),
+                f"load_{temp}": Trial(lambda: None, lambda _, f=load: f(None)),
+                f"load_{temp}_deferred": Trial(lambda: None, lambda _, f=load: f(sums)),
+            }
+            rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
         assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
     finally:
         threads.shutdown()
@@ -262,29 +295,29 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
 
     rows = []
     try:
-        t = _median_fresh(
-            lambda keys: store.put_from(keys, blocks),
-            lambda: _keys(spec, n),
-            store.delete,
-            args.runs,
-        )
-        t_raw = _median_fresh(raw_put, lambda: _keys(spec, n), remove, args.runs)
-        rows.append(_row(name, "save", spec, n, t, t_raw, args.runs))
+        trials = {
+            "raw": Trial(lambda: _keys(spec, n), raw_put, remove),
+            **_save_trials(store, spec, blocks),
+        }
+        rows += _rows(name, spec, n, _interleaved(trials, args.runs), "raw", args.runs)
         keys, raw_keys = _keys(spec, n), _keys(spec, n)
         assert all(store.put_from(keys, blocks))
         raw_put(raw_keys)
+        sums = np.zeros(n, dtype=np.uint64)
 
-        def load():
-            assert all(store.get_into(keys, targets)), "bench storage: a load missed"
+        def load(out):
+            assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
 
-        def raw_get():
-            client.batch_get_into(raw_keys, target_ptrs, sizes)
-
-        t = median_seconds(load, args.runs)
-        t_raw = median_seconds(raw_get, args.runs)
-        load()
+        trials = {
+            "raw": Trial(
+                lambda: None, lambda _: client.batch_get_into(raw_keys, target_ptrs, sizes)
+            ),
+            "load": Trial(lambda: None, lambda _: load(None)),
+            "load_deferred": Trial(lambda: None, lambda _: load(sums)),
+        }
+        rows += _rows(name, spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        load(None)
         assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
-        rows.append(_row(name, "load", spec, n, t, t_raw, args.runs))
         remove(keys + raw_keys)
     finally:
         store.close()

@@ -151,8 +151,9 @@ def test_checksums_recorded_by_swap_out_and_verified_by_swap_in(copier_cls, name
         pool.block(1)[100] ^= 0xFF  # the host copy of block 4 goes bad
         ok = copier.swap_in_verified([0, 1, 2, 3], [10, 11, 12, 13])
         assert ok.tolist() == [True, False, True, False]  # block 3: no known checksum
-        assert all(torch.equal(a, b) for a, b in zip(block_bytes_of(cache, 3),
-                                                     block_bytes_of(cache, 10)))
+        assert all(
+            torch.equal(a, b) for a, b in zip(block_bytes_of(cache, 3), block_bytes_of(cache, 10))
+        )
         copier.swap_out([6], [0])  # rewritten without a checksum: forgotten
         assert pool.known_checksums([0]) == [None]
         assert copier.swap_in_verified([], []).size == 0

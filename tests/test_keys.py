@@ -16,13 +16,25 @@ from kvtier.keys import KeyScheme, block_hashes, read_weight_version
 
 def test_hash_is_the_documented_encoding() -> None:
     tokens = list(range(100, 116))
-    h = hashlib.sha256(b"kvtier-block-v1\0" + bytes(32) + struct.pack("<I", 16)
-                       + struct.pack("<16q", *tokens) + struct.pack("<I", 0)).digest()
+    h = hashlib.sha256(
+        b"kvtier-block-v1\0"
+        + bytes(32)
+        + struct.pack("<I", 16)
+        + struct.pack("<16q", *tokens)
+        + struct.pack("<I", 0)
+    ).digest()
     assert block_hashes(tokens, 16) == [h]
     # A literal, so a change of encoding can never pass silently.
-    assert h.hex()[:16] == hashlib.sha256(
-        b"kvtier-block-v1\0" + bytes(32) + b"\x10\0\0\0" + np.arange(100, 116, dtype="<i8").tobytes()
-        + b"\0\0\0\0").hexdigest()[:16]
+    assert (
+        h.hex()[:16]
+        == hashlib.sha256(
+            b"kvtier-block-v1\0"
+            + bytes(32)
+            + b"\x10\0\0\0"
+            + np.arange(100, 116, dtype="<i8").tobytes()
+            + b"\0\0\0\0"
+        ).hexdigest()[:16]
+    )
 
 
 def test_chain_and_partial_blocks() -> None:
@@ -46,7 +58,8 @@ def test_extra_keys_change_the_hash() -> None:
     assert with_mm[0] == plain[0] and with_mm[1] != plain[1]
     assert block_hashes(tokens, 16, extra=[(), (b"image-abc",)]) == with_mm
     assert block_hashes(tokens, 16, extra=[(), ("a", "bc")]) != block_hashes(
-        tokens, 16, extra=[(), ("ab", "c")])  # lengths are encoded: no ambiguity
+        tokens, 16, extra=[(), ("ab", "c")]
+    )  # lengths are encoded: no ambiguity
     with pytest.raises(ConfigError, match="extra: need one entry per full block"):
         block_hashes(tokens, 16, extra=[()])
 
@@ -67,9 +80,14 @@ def test_key_scheme() -> None:
     assert key == f"kv1:meta-llama/Llama-3-8B:RL-STEP7:c22cf1da9e80e87b:{h.hex()}:3"
     assert scheme.with_version("RL-STEP8").key(h) != key
     assert KeyScheme("m", "c22cf1da9e80e87b", rank=2).key(h) != KeyScheme(
-        "m", "c22cf1da9e80e87b", rank=3).key(h)
-    for bad, field in (({"namespace": "a:b"}, "namespace"), ({"namespace": ""}, "namespace"),
-                       ({"version": "v 1"}, "version"), ({"rank": -1}, "rank")):
+        "m", "c22cf1da9e80e87b", rank=3
+    ).key(h)
+    for bad, field in (
+        ({"namespace": "a:b"}, "namespace"),
+        ({"namespace": ""}, "namespace"),
+        ({"version": "v 1"}, "version"),
+        ({"rank": -1}, "rank"),
+    ):
         args = {"namespace": "m", "fingerprint": "c22cf1da9e80e87b", **bad}
         with pytest.raises(ConfigError, match=f"^{field}:"):
             KeyScheme(**args)

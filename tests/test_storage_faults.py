@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.faults import FaultInjectingStore
+from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 
 class TestQuietFaultWrapper(StoreContract):
@@ -26,8 +26,9 @@ def _filled_pool(keys):
 
 
 def test_corruption_is_injected_and_every_one_detected() -> None:
-    store = make_backend(CONTRACT_SPEC, {"backend": "memory",
-                                         "faults": {"corrupt_rate": 0.5, "seed": 3}})
+    store = make_backend(
+        CONTRACT_SPEC, {"backend": "memory", "faults": {"corrupt_rate": 0.5, "seed": 3}}
+    )
     assert isinstance(store, FaultInjectingStore)
     keys = make_keys(40)
     with _filled_pool(keys) as pool:
@@ -41,8 +42,9 @@ def test_corruption_is_injected_and_every_one_detected() -> None:
 
 
 def test_error_rate_fails_keys_not_calls() -> None:
-    store = make_backend(CONTRACT_SPEC, {"backend": "memory",
-                                         "faults": {"error_rate": 0.3, "seed": 1}})
+    store = make_backend(
+        CONTRACT_SPEC, {"backend": "memory", "faults": {"error_rate": 0.3, "seed": 1}}
+    )
     keys = make_keys(50)
     with _filled_pool(keys) as pool:
         put = store.put_from(keys, [pool.block(i) for i in range(50)])
@@ -51,8 +53,10 @@ def test_error_rate_fails_keys_not_calls() -> None:
 
 
 def test_outage_window_and_manual_switch() -> None:
-    store = make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {
-        "unavailable_after_s": 0.0, "unavailable_for_s": 0.2}})
+    store = make_backend(
+        CONTRACT_SPEC,
+        {"backend": "memory", "faults": {"unavailable_after_s": 0.0, "unavailable_for_s": 0.2}},
+    )
     keys = make_keys(1)
     with pytest.raises(StorageUnavailable, match="injected outage"):
         store.exists_prefix(keys)

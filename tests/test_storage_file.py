@@ -68,9 +68,11 @@ def test_capacity_evicts_lru_and_survives_restart(tmp_path) -> None:
     with HostPool(CONTRACT_SPEC, 6) as pool:
         blocks = [pool.block(i) for i in range(6)]
         with FileStore(CONTRACT_SPEC, config) as store:
-            for key, block in zip(keys[:4], blocks[:4]):  # one by one: a known mtime order
-                store.put_from([key], [block])
-                time.sleep(0.01)
+            store.put_from(keys[:4], blocks[:4])
+            now = time.time()
+            for age, key in zip((400, 300, 200, 100), keys[:4]):  # a known, old mtime order
+                path = store._path(key)
+                os.utime(path, (now - age, now - age))
             store.get_into(keys[:1], blocks[5:6])  # key 0 becomes the most recent
         with FileStore(CONTRACT_SPEC, config) as store:  # index rebuilt from the directory
             assert store.usage().num_objects == 4

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 OBJECT_SUFFIX = ".kvb"
 FANOUT_DIRS = 256
 RESCAN_INTERVAL_S = 5.0
+# A read refreshes an object's mtime (its LRU recency) only when it is older than this.
+RECENCY_GRANULARITY_S = 2.0
 # Batches at least this large are spread over the I/O threads; smaller ones run inline.
 PARALLEL_MIN_KEYS = 2
 
@@ -196,7 +198,8 @@ class FileStore(StorageBackend):
         header = bytearray(HEADER_BYTES)
         payload = memoryview(block.numpy())
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size != self.object_bytes:
                 raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes}")
             n = os.preadv(fd, [header, payload], 0)
@@ -212,10 +215,11 @@ class FileStore(StorageBackend):
             return False
         finally:
             os.close(fd)
-        try:
-            os.utime(path)  # LRU recency, visible to every process sharing the directory
-        except OSError:
-            pass
+        if time.time() - st.st_mtime > RECENCY_GRANULARITY_S:
+            try:  # LRU recency, visible to every process sharing the directory
+                os.utime(path)
+            except OSError:
+                pass
         self._touch(path.name)
         return True
 
@@ -367,9 +371,20 @@ class FileStore(StorageBackend):
             )
 
     def _map(self, fn, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        if len(keys) < PARALLEL_MIN_KEYS:
+        """Run ``fn(i, key, block)`` for every key; one task per I/O thread, not per key."""
+        n = len(keys)
+        if n < PARALLEL_MIN_KEYS:
             return [fn(i, k, b) for i, (k, b) in enumerate(zip(keys, blocks))]
-        return list(self._pool.map(fn, range(len(keys)), keys, blocks))
+        results: list[bool] = [False] * n
+
+        def run(stripe: int) -> None:
+            for i in range(stripe, n, workers):
+                results[i] = fn(i, keys[i], blocks[i])
+
+        workers = min(self.config.io_threads, n)
+        for future in [self._pool.submit(run, s) for s in range(workers)]:
+            future.result()
+        return results
 
 
 def _advance(buffers: list, n: int) -> list:

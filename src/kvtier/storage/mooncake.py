@@ -268,7 +268,8 @@ class MooncakeStore(StorageBackend):
             )
 
         # Checksums of chunk k+1 are computed while chunk k is on the wire (GIL released).
-        chunks = self._chunks(len(keys))
+        hashing = checksums is None or any(c is None for c in checksums)
+        chunks = self._chunks(len(keys), hashing)
         prepare(chunks[0])
         codes: list[int] = []
         for k, chunk in enumerate(chunks):
@@ -302,7 +303,7 @@ class MooncakeStore(StorageBackend):
             )
 
         # Chunk k+1 is fetched while chunk k is verified.
-        chunks = self._chunks(len(keys))
+        chunks = self._chunks(len(keys), checksums_out is None)
         pending = self._transfers.submit(transfer, chunks[0])
         results: list[bool] = []
         codes: list[int] = []
@@ -336,7 +337,10 @@ class MooncakeStore(StorageBackend):
             return False
         return True
 
-    def _chunks(self, n: int) -> list[range]:
+    def _chunks(self, n: int, hashing: bool) -> list[range]:
+        """Pipeline chunks when payloads are hashed here; one batch (fastest) otherwise."""
+        if not hashing:
+            return [range(n)]
         per_chunk = max(1, PIPELINE_CHUNK_BYTES // self.object_bytes)
         return [range(i, min(n, i + per_chunk)) for i in range(0, n, per_chunk)]
 
