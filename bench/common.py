@@ -25,6 +25,23 @@ def median_seconds(
     return statistics.median(times)
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], runs: int, sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """Median seconds of each function, run in turn each round so that all of them see the same
+    machine noise (these machines are shared). The first round warms up and is not counted."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(runs + 1):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
 

@@ -1,5 +1,8 @@
 """`kvtier bench copy`: swap_out / swap_in GB/s beside a contiguous copy and the per-block loop.
 
+The "+xxh3" columns time the same copies with the block checksum fused in (swap_out with
+checksum=True, swap_in_verified): the price of end-to-end integrity on the save and load paths.
+
 For each block size and block count it times, on the same preallocated, pre-touched memory:
 - kvtier's BlockCopier (random device ids -> random host ids, every layer and part);
 - the limit: one contiguous copy of the same number of bytes (to/from pinned memory on CUDA);
@@ -17,7 +20,7 @@ import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
 from kvtier.device import cache_name
-from kvtier_bench.common import gbps, median_seconds, print_json_rows, print_table, progress
+from kvtier_bench.common import gbps, interleaved_medians, print_json_rows, print_table, progress
 
 COLUMNS = [
     ("block_size", "block_size", "d"),
@@ -28,6 +31,8 @@ COLUMNS = [
     ("ratio_to_limit", "x limit", ".2f"),
     ("loop_gbps", "loop GB/s", ".2f"),
     ("speedup_vs_loop", "x loop", ".2f"),
+    ("checksum_gbps", "+xxh3 GB/s", ".2f"),
+    ("checksum_ratio_to_limit", "+xxh3 x limit", ".2f"),
 ]
 
 
@@ -99,27 +104,30 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
             nbytes = n * spec.block_bytes
             copier.swap_out(dev_ids, host_ids)
             _verify(cache, pool, dev_ids, host_ids)
+            copier.swap_out(dev_ids, host_ids, checksum=True)  # swap_in_verified needs them
             for direction in ("swap_out", "swap_in"):
                 if direction == "swap_out":
-
-                    def op(d=dev_ids, h=host_ids):
-                        copier.swap_out(d, h)
-
-                    def limit(b=nbytes):
-                        host_flat[:b].copy_(dev_flat[:b], non_blocking=cuda)
+                    fns = {
+                        "op": lambda d=dev_ids, h=host_ids: copier.swap_out(d, h),
+                        "hashed": lambda d=dev_ids, h=host_ids: copier.swap_out(
+                            d, h, checksum=True
+                        ),
+                        "limit": lambda b=nbytes: host_flat[:b].copy_(
+                            dev_flat[:b], non_blocking=cuda
+                        ),
+                    }
                 else:
-
-                    def op(d=dev_ids, h=host_ids):
-                        copier.swap_in(h, d)
-
-                    def limit(b=nbytes):
-                        dev_flat[:b].copy_(host_flat[:b], non_blocking=cuda)
-
-                t = median_seconds(op, args.runs, sync)
-                t_limit = median_seconds(limit, args.runs, sync)
-                t_loop = median_seconds(
-                    _loop(cache, pool, dev_ids, host_ids, direction, cuda), args.runs, sync
-                )
+                    fns = {
+                        "op": lambda d=dev_ids, h=host_ids: copier.swap_in(h, d),
+                        "hashed": lambda d=dev_ids, h=host_ids: _check_all(
+                            copier.swap_in_verified(h, d)
+                        ),
+                        "limit": lambda b=nbytes: dev_flat[:b].copy_(
+                            host_flat[:b], non_blocking=cuda
+                        ),
+                    }
+                fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
+                t = interleaved_medians(fns, args.runs, sync)
                 rows.append(
                     {
                         "device": args.device,
@@ -129,11 +137,13 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
                         "block_bytes": spec.block_bytes,
                         "direction": direction,
                         "bytes": nbytes,
-                        "gbps": gbps(nbytes, t),
-                        "limit_gbps": gbps(nbytes, t_limit),
-                        "loop_gbps": gbps(nbytes, t_loop),
-                        "ratio_to_limit": t_limit / t,
-                        "speedup_vs_loop": t_loop / t,
+                        "gbps": gbps(nbytes, t["op"]),
+                        "limit_gbps": gbps(nbytes, t["limit"]),
+                        "loop_gbps": gbps(nbytes, t["loop"]),
+                        "ratio_to_limit": t["limit"] / t["op"],
+                        "speedup_vs_loop": t["loop"] / t["op"],
+                        "checksum_gbps": gbps(nbytes, t["hashed"]),
+                        "checksum_ratio_to_limit": t["limit"] / t["hashed"],
                         "runs": args.runs,
                     }
                 )
@@ -143,6 +153,11 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
                 )
         copier.close()
     return rows
+
+
+def _check_all(matches) -> None:
+    if not matches.all():
+        raise SystemExit("bench copy: swap_in_verified found a checksum mismatch")
 
 
 def _verify(cache: DeviceCache, pool: HostPool, dev_ids, host_ids) -> None:

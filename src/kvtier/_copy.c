@@ -21,6 +21,7 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
 
 #define MAX_THREADS 64
@@ -29,6 +30,9 @@
  * instead of 3. Swapped-out blocks are not read again soon, so bypassing the cache costs nothing.
  */
 #define STREAM_MIN_BYTES 4096
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024
+#endif
 
 typedef struct {
     const int64_t *dst;
@@ -48,6 +52,7 @@ static void copy_piece(char *dst, const char *src, size_t n) {
         n -= head;
         size_t body = n & ~(size_t)63;
         for (size_t off = 0; off < body; off += 64) {
+            _mm_prefetch(src + off + PREFETCH_AHEAD, _MM_HINT_NTA);
             __m128i a = _mm_loadu_si128((const __m128i *)(src + off));
             __m128i b = _mm_loadu_si128((const __m128i *)(src + off + 16));
             __m128i c = _mm_loadu_si128((const __m128i *)(src + off + 32));
