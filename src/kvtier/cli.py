@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -99,6 +100,49 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if verified == pieces else 1
 
 
+WRITE_POLICIES = ("write_through", "write_back")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """One worker process: configuration from --config YAML, KVTIER_* env, then flags."""
+    from kvtier.config import load_config
+    from kvtier.worker import Worker
+
+    overrides: dict = {
+        "rank": args.rank,
+        "world_size": args.world_size,
+        "instance_id": args.instance_id,
+        "num_host_blocks": args.num_host_blocks,
+        "device_cache": args.device_cache,
+        "device_cache_mode": args.device_cache_mode,
+        "device": args.device,
+        "namespace": args.namespace,
+        "model_dir": args.model_dir,
+        "endpoint": args.endpoint,
+        "engine_timeout_s": args.engine_timeout_s,
+    }
+    if args.key_cache_shape:
+        overrides["spec"] = KVCacheSpec.from_legacy_args(args)
+    if args.write_policy is not None and args.write_policy not in WRITE_POLICIES:
+        from kvtier.errors import ConfigError
+
+        raise ConfigError(
+            "write_policy", f"got {args.write_policy!r}; allowed: {', '.join(WRITE_POLICIES)}"
+        )
+    if args.storage_backend or args.storage_root:
+        storage = {"backend": args.storage_backend or "file"}
+        if args.storage_root:
+            storage["root"] = args.storage_root
+        overrides["storage"] = storage
+    config = load_config(args.config, overrides, os.environ)
+    logging.basicConfig(
+        level=getattr(logging, str(config.log_level).upper(), logging.INFO),
+        force=True,
+        format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    return Worker(config).serve()
+
+
 def _bench(args: argparse.Namespace) -> int:
     return args.bench_report(args)
 
@@ -121,6 +165,35 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)
+
+    serve = sub.add_parser("serve", help="run one worker (one per tensor-parallel rank)")
+    serve.add_argument("--config", help="YAML file with worker settings (see README)")
+    serve.add_argument("--rank", type=int)
+    serve.add_argument("--world-size", "--mp_num", dest="world_size", type=int)
+    serve.add_argument("--instance-id")
+    serve.add_argument("--num-host-blocks", "--num_cpu_blocks", dest="num_host_blocks", type=int)
+    serve.add_argument("--device-cache", help="name of the shared device cache")
+    serve.add_argument("--device-cache-mode", choices=["attach", "create"])
+    serve.add_argument("--device", help="cpu, cuda or cuda:N")
+    serve.add_argument(
+        "--storage-backend",
+        "--storage_backend",
+        dest="storage_backend",
+        help="file, mooncake or memory",
+    )
+    serve.add_argument("--storage-root", help="file backend directory")
+    serve.add_argument("--namespace", help="model id used in storage keys")
+    serve.add_argument(
+        "--model-dir", "--model_path", dest="model_dir", help="model directory holding version.yaml"
+    )
+    serve.add_argument("--endpoint", help="ipc://PATH or tcp://127.0.0.1:PORT")
+    serve.add_argument("--engine-timeout-s", type=float)
+    serve.add_argument("--write_policy", "--write-policy", dest="write_policy")
+    from kvtier.spec import legacy_flag_parser
+
+    legacy = serve.add_argument_group("the old engine's cache flags")
+    legacy_flag_parser(legacy, required=False)
+    serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks, each beside the limit it is measured against")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

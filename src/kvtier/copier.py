@@ -94,6 +94,18 @@ class BlockCopier(ABC):
         known = self.host_pool._checksum_known[host]
         return known & (self.host_pool._checksums[host] == hashes)
 
+    def check_device_ids(self, dev: np.ndarray, *, destination: bool) -> None:
+        """Range-check device ids (and, for a destination, refuse duplicates)."""
+        self.device_cache.tensors  # noqa: B018 - raises DeviceCacheDetached while asleep
+        limit = self.spec.usable_num_blocks
+        bad = dev[(dev < 0) | (dev >= limit)]
+        if bad.size:
+            raise InvalidBlockIds(f"device block id {int(bad[0])} out of range 0..{limit - 1}")
+        if destination:
+            duplicate = first_duplicate(dev)
+            if duplicate is not None:
+                raise InvalidBlockIds(f"device block id {duplicate} appears twice as a destination")
+
     @abstractmethod
     def _swap_out(
         self, dev: np.ndarray, host: np.ndarray, checksum: bool
@@ -118,11 +130,7 @@ class BlockCopier(ABC):
             raise InvalidBlockIds(
                 f"device_block_ids has {dev.size} ids but host_block_ids has {host.size}"
             )
-        self.device_cache.tensors  # noqa: B018 - raises DeviceCacheDetached while asleep
-        limit = self.spec.usable_num_blocks
-        bad = dev[(dev < 0) | (dev >= limit)]
-        if bad.size:
-            raise InvalidBlockIds(f"device block id {int(bad[0])} out of range 0..{limit - 1}")
+        self.check_device_ids(dev, destination=False)
         self.host_pool.check_ids(host)
         dst, name = (host, "host") if dst_is_host else (dev, "device")
         duplicate = first_duplicate(dst)

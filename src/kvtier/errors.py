@@ -41,3 +41,19 @@ class StorageUnavailable(StorageError):
 
 class ObjectCorrupt(StorageError):
     """A stored object failed its header or checksum check; it is treated as a miss."""
+
+
+class WorkerError(KvtierError):
+    """A worker could not be started, reached or used."""
+
+
+class WorkerLost(WorkerError):
+    """A worker died or stopped answering; its pending tasks fail with this."""
+
+
+class TaskTimeout(WorkerError):
+    """A task was not answered by every rank before its deadline."""
+
+
+class ProtocolMismatch(WorkerError):
+    """The worker speaks another protocol version."""

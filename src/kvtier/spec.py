@@ -310,10 +310,10 @@ class KVCacheSpec:
         )
 
 
-def legacy_flag_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+def legacy_flag_parser(parser=None, required: bool = True):
     """Add the old engine's cache flags to ``parser`` (or a new one) and return it."""
     p = parser or argparse.ArgumentParser(add_help=False)
-    p.add_argument("--key_cache_shape", required=True, help="N,H,B,D of each key cache")
+    p.add_argument("--key_cache_shape", required=required, help="N,H,B,D of each key cache")
     p.add_argument("--value_cache_shape", default="", help="N,H,B,D; empty for MLA (K only)")
     p.add_argument(
         "--cache_dtype",
@@ -321,7 +321,7 @@ def legacy_flag_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         help="bfloat16|float16|float32|uint8|block_wise_fp8",
     )
     p.add_argument("--scale_dtype", default="bfloat16", help="dtype of fp8 scales")
-    p.add_argument("--num_layers", type=int, required=True)
+    p.add_argument("--num_layers", type=int, required=required)
     p.add_argument("--num_extra_layers", type=int, default=0, help="MTP / draft layers")
     p.add_argument("--num_extra_layer_gpu_blocks", type=int, default=None)
     p.add_argument(

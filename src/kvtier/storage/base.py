@@ -142,6 +142,9 @@ class StorageBackend(ABC):
     def register_host_pool(self, pool) -> None:  # noqa: B027 - optional hook
         """Called once per HostPool before it is used; zero-copy backends register it."""
 
+    def unregister_host_pool(self, pool) -> None:  # noqa: B027 - optional hook
+        """Called before a registered HostPool is freed."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections, threads and registrations."""
 

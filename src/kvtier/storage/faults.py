@@ -145,6 +145,9 @@ class FaultInjectingStore(StorageBackend):
     def register_host_pool(self, pool) -> None:
         self.inner.register_host_pool(pool)
 
+    def unregister_host_pool(self, pool) -> None:
+        self.inner.unregister_host_pool(pool)
+
     def report_corrupt(self, key: str, reason: str) -> None:
         self.inner.report_corrupt(key, reason)
 

@@ -213,6 +213,13 @@ class MooncakeStore(StorageBackend):
             end = pool.base_address + pool.size_bytes
             self._regions.append(_Registered(pool.base_address, end, pool.block_bytes, headers))
 
+    def unregister_host_pool(self, pool) -> None:
+        with self._lock:
+            for region in [r for r in self._regions if r.base == pool.base_address]:
+                self._store.unregister_buffer(region.base)
+                self._store.unregister_buffer(region.headers.ctypes.data)
+                self._regions.remove(region)
+
     def _slots(self, host_blocks: Sequence[torch.Tensor]) -> list[tuple[np.ndarray, int, int]]:
         """(header slot view, header address, block address) of each block."""
         out = []

@@ -1,0 +1,83 @@
+"""The worker's gate: RUNNING / PAUSED / SLEEPING, held tasks, in-flight accounting."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+
+class WorkerState(str, Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    SLEEPING = "sleeping"
+    STOPPING = "stopping"
+
+
+class Refusal(str, Enum):
+    SLEEPING = "worker is sleeping: wake it up first"
+    STOPPING = "worker is shutting down"
+
+
+class Gate:
+    """Admits data tasks: runs them now, holds them (while paused), or refuses them.
+
+    ``admit`` and ``resume`` submit under one lock, so held tasks run before any task that
+    arrives after ``resume``: FIFO holds across a pause. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.state = WorkerState.RUNNING
+        self.in_flight = 0
+        self._held: deque[Any] = deque()
+
+    def admit(self, item: Any, submit: Callable[[Any], None]) -> Refusal | None:
+        with self._cond:
+            if self.state is WorkerState.STOPPING:
+                return Refusal.STOPPING
+            if self.state is WorkerState.SLEEPING:
+                return Refusal.SLEEPING
+            if self.state is WorkerState.PAUSED:
+                self._held.append(item)
+                return None
+            self.in_flight += 1
+            submit(item)
+            return None
+
+    def done(self, count: int = 1) -> None:
+        with self._cond:
+            self.in_flight -= count
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.in_flight == 0, timeout_s)
+
+    def set_state(self, state: WorkerState) -> WorkerState:
+        with self._cond:
+            previous, self.state = self.state, state
+            return previous
+
+    def resume(self, submit: Callable[[Any], None]) -> int:
+        """RUNNING again; held tasks are submitted in arrival order. Returns how many."""
+        with self._cond:
+            self.state = WorkerState.RUNNING
+            released = len(self._held)
+            while self._held:
+                self.in_flight += 1
+                submit(self._held.popleft())
+            return released
+
+    def take_held(self) -> list[Any]:
+        with self._cond:
+            held = list(self._held)
+            self._held.clear()
+            return held
+
+    @property
+    def held(self) -> int:
+        with self._cond:
+            return len(self._held)
