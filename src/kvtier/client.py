@@ -41,6 +41,7 @@ WORKER_TIMEOUT_S = 5.0
 TASK_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 60.0
 POLL_INTERVAL_MS = 50
+EXIT_GRACE_S = 0.2  # after a worker process exits, its last answers are still read this long
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _Rank:
     last_heard: float = 0.0
     welcomed: bool = False
     lost: str = ""
+    exited_at: float = 0.0
 
 
 @dataclass
@@ -277,7 +279,8 @@ class Client:
             by_socket[r.socket] = r
         next_beat = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(POLL_INTERVAL_MS))
+            exiting = any(r.exited_at and not r.lost for r in self._ranks)
+            events = dict(poller.poll(10 if exiting else POLL_INTERVAL_MS))
             if self._wake in events:
                 _drain(self._wake)
                 self._flush_outbox()
@@ -350,7 +353,10 @@ class Client:
                 continue
             code = r.process.poll() if r.process is not None else None
             if code is not None:
-                self._lose(r, f"worker process exited with code {code}")
+                # Its last answers may still be in flight: read them before giving up on it.
+                r.exited_at = r.exited_at or now
+                if now - r.exited_at >= EXIT_GRACE_S:
+                    self._lose(r, f"worker process exited with code {code}")
             elif now - r.last_heard > self.worker_timeout_s:
                 self._lose(
                     r,

@@ -408,10 +408,11 @@ class Worker:
         self.gate.set_state(WorkerState.STOPPING)
         for identity, task in self.gate.take_held():
             self._answer(identity, task.task_id, t.Status.CANCELLED, "worker is shutting down")
+        with self._pending_lock:
+            queued = dict(self._pending)  # cancelled futures leave _pending as they cancel
         for executor in self.executors.values():
             executor.shutdown(wait=False, cancel_futures=True)
-        with self._pending_lock:
-            cancelled = [(f, item) for f, item in self._pending.items() if f.cancelled()]
+        cancelled = [(f, item) for f, item in queued.items() if f.cancelled()]
         for _, (identity, task) in cancelled:
             self._answer(
                 identity, task.task_id, t.Status.CANCELLED, "worker shut down before the task ran"

@@ -1,0 +1,299 @@
+"""Worker and client with real processes: every task moves real bytes; control; health."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from worker_helpers import FAST, WSPEC, block, engine, fill, same
+
+from kvtier import tasks as t
+from kvtier.config import default_socket_dir
+from kvtier.errors import TaskTimeout, WorkerLost
+from kvtier.keys import KeyScheme, block_hashes
+from kvtier.storage.file import FileStore
+
+TESTS = Path(__file__).resolve().parent
+
+
+def hashes(n: int, seed: int = 0) -> list[bytes]:
+    tokens = np.random.default_rng(seed).integers(0, 50_000, n * WSPEC.block_size)
+    return block_hashes(tokens, WSPEC.block_size)
+
+
+def test_every_task_type_moves_real_bytes(tmp_path) -> None:
+    with engine(tmp_path) as (client, caches):
+        want = {r: {b: block(c, b) for b in (1, 2, 3, 4)} for r, c in enumerate(caches)}
+        assert client.swap_out([1, 2], [0, 1]).status is t.Status.OK
+        res = client.swap_in([0, 1], [30, 31])
+        assert (res.status, res.blocks) == (t.Status.OK, [30, 31])
+        h = hashes(4)
+        saved = client.save(h, [1, 2, 3, 4])
+        assert (saved.status, saved.blocks) == (t.Status.OK, [1, 2, 3, 4])
+        assert client.save(h, [1, 2, 3, 4]).bytes_moved == 0  # stored prefix skipped
+        assert client.lookup(h) == 4
+        loaded = client.load(h, [20, 21, 22, 23])
+        assert (loaded.status, loaded.blocks) == (t.Status.OK, [20, 21, 22, 23])
+        assert client.load_host(h[:2], [5, 6]).blocks == [5, 6]
+        assert client.swap_in([5, 6], [35, 36]).status is t.Status.OK
+        h2 = hashes(2, seed=9)
+        assert client.save_host(h2, [5, 6]).blocks == [5, 6]
+        assert client.load(h2, [37, 38]).blocks == [37, 38]
+        for r, cache in enumerate(caches):
+            assert same(block(cache, 30), want[r][1]) and same(block(cache, 31), want[r][2])
+            for src, dst in zip((1, 2, 3, 4), (20, 21, 22, 23)):
+                assert same(block(cache, dst), want[r][src])
+            assert same(block(cache, 35), want[r][1]) and same(block(cache, 38), want[r][2])
+
+
+def test_load_gives_the_shortest_prefix_over_ranks(tmp_path) -> None:
+    root = tmp_path / "store"
+    with engine(tmp_path, storage={"backend": "file", "root": str(root)},
+                namespace="m") as (client, caches):
+        h = hashes(4)
+        assert client.save(h, [1, 2, 3, 4]).status is t.Status.OK
+        rank1 = KeyScheme("m", WSPEC.fingerprint, rank=1, version="")
+        with FileStore(WSPEC, {"root": root}) as store:
+            assert store.delete([rank1.key(h[2])]) == 1  # rank 1 lacks block 2
+        assert client.lookup(h) == 2
+        res = client.load(h, [20, 21, 22, 23])
+        assert res.status is t.Status.PARTIAL and res.blocks == [20, 21]
+        assert "loaded 2 of 4" in res.message
+
+
+def test_pause_holds_tasks_and_resume_releases_them_in_order(tmp_path) -> None:
+    with engine(tmp_path) as (client, caches):
+        assert client.control("pause").code == 200
+        assert client.control("pause").message.count("already paused") == 2  # idempotent
+        order = []
+        futures = []
+        for i in range(10):
+            f = client.submit(t.SwapOut(0, [i], [i]))
+            f.add_done_callback(lambda _, i=i: order.append(i))
+            futures.append(f)
+        time.sleep(0.5)
+        assert not any(f.done() for f in futures)  # held, not dropped, not run
+        answer = client.control("resume")
+        assert answer.code == 200 and "released 10 held tasks" in answer.message
+        results = [f.result(10) for f in futures]
+        assert all(r.status is t.Status.OK for r in results)
+        assert order == list(range(10))  # in order
+        assert client.control("resume").message.count("already running") == 2
+
+
+def test_sleep_and_wakeup_keep_host_and_storage_data(tmp_path) -> None:
+    with engine(tmp_path) as (client, caches):
+        want = [block(c, 3) for c in caches]
+        client.swap_out([3], [7])
+        h = hashes(1)
+        client.save(h, [3])
+        assert client.control("sleep").code == 200
+        assert "already sleeping" in client.control("sleep").message
+        res = client.swap_in([7], [9])
+        assert res.status is t.Status.ERROR and "sleeping" in res.message
+        assert client.control("resume").code == 409
+        assert client.control("wakeup").code == 200
+        assert "already awake" in client.control("wakeup").message
+        assert client.swap_in([7], [9]).status is t.Status.OK
+        assert client.load(h, [10]).blocks == [10]
+        for cache, w in zip(caches, want):
+            assert same(block(cache, 9), w) and same(block(cache, 10), w)
+
+
+def test_update_weights_makes_old_keys_unreachable(tmp_path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "version.yaml").write_text("version: RL-STEP1-20250101-abc\n")
+    with engine(tmp_path, model_dir=str(tmp_path / "model")) as (client, caches):
+        h = hashes(3)
+        client.save(h, [1, 2, 3])
+        assert client.lookup(h) == 3
+        answer = client.control("update_weights", version="RL-STEP2")
+        assert answer.code == 200 and "RL-STEP2" in answer.message
+        assert client.lookup(h) == 0
+        assert client.load(h, [5, 6, 7]).blocks == []
+        (tmp_path / "model" / "version.yaml").write_text("version: RL-STEP1-20250102-def\n")
+        assert client.control("update_weights").code == 200  # re-read version.yaml
+        assert client.lookup(h) == 3
+        bad = client.control("update_weights", version=5)
+        assert bad.code == 400
+
+
+def test_control_errors(tmp_path) -> None:
+    with engine(tmp_path, world_size=1) as (client, caches):
+        answer = client.control("reboot")
+        assert answer.code == 400 and "unknown control method 'reboot'" in answer.message
+        assert client.control("pause", bogus=1).code == 400
+        stats = client.control("stats").per_rank[0].data
+        assert stats["state"] == "running" and "queue_depths" in stats
+
+
+def test_bad_input_gets_a_clear_error_and_the_worker_goes_on(tmp_path) -> None:
+    with engine(tmp_path, world_size=1) as (client, caches):
+        cases = [
+            (t.SwapOut(0, [1, 2], [3]), "2 ids but host_block_ids has 1"),
+            (t.SwapOut(0, [400], [0]), "device block id 400 out of range 0..39"),
+            (t.SwapIn(0, [16], [0]), "host block id 16 out of range 0..15"),
+            (t.SwapIn(0, [0, 1], [5, 5]), "device block id 5 appears twice"),
+            (t.Save(0, [b"short"], [1]), "block hash 0 has 5 bytes"),
+            (t.Load(0, hashes(2), [1]), "2 block hashes but 1 device_block_ids"),
+        ]
+        for task, message in cases:
+            res = client.submit(task).result(10)
+            assert res.status is t.Status.ERROR and message in res.message, res
+        assert client.swap_out([1], [0]).status is t.Status.OK
+
+
+def test_garbage_on_the_socket_is_logged_and_dropped(tmp_path) -> None:
+    with engine(tmp_path, world_size=1) as (client, caches):
+        endpoint = client._ranks[0].endpoint
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(endpoint)
+        import msgspec
+
+        for junk in (b"", b"\x00\xff garbage", b"\x93\x01\x02", os.urandom(5000)):
+            raw.send(junk)
+        raw.send(msgspec.msgpack.encode({"type": "swap_out", "task_id": 77,
+                                         "device_block_ids": "nope"}))
+        assert raw.poll(5000), "a malformed task with a task id is answered"
+        answer = t.decode(raw.recv())
+        assert answer.task_id == 77 and answer.status is t.Status.ERROR
+        assert "malformed task" in answer.message
+        raw.send(t.encode(t.Hello(99, "old")))
+        assert raw.poll(5000)
+        welcome = t.decode(raw.recv())
+        assert not welcome.accepted and "protocol version 99 is not supported" in welcome.message
+        raw.close(0)
+        ctx.term()
+        assert client.swap_out([1], [0]).status is t.Status.OK
+    log = (tmp_path / "rank0.log").read_text()
+    assert "not a kvtier message" in log
+
+
+def test_worker_killed_mid_task_fails_pending_futures_quickly(tmp_path) -> None:
+    with engine(tmp_path, storage={"backend": "memory", "faults": {"latency_s": 2.0}}) as (
+            client, caches):
+        future = client.submit(t.Save(0, hashes(2), [1, 2]))
+        time.sleep(0.3)
+        start = time.monotonic()
+        os.kill(client.pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerLost, match="rank 1: worker process exited"):
+            future.result(10)
+        assert time.monotonic() - start < FAST["worker_timeout_s"]
+        with pytest.raises(WorkerLost):  # later tasks fail at once, never hang
+            client.swap_out([1], [0])
+
+
+def test_task_timeout(tmp_path) -> None:
+    with engine(tmp_path, world_size=1,
+                storage={"backend": "memory", "faults": {"latency_s": 3.0}}) as (client, _):
+        with pytest.raises(TaskTimeout, match="ranks \\[0\\] did not answer in time"):
+            client.submit(t.Lookup(0, hashes(1)), timeout_s=0.5).result(10)
+
+
+def test_engine_death_makes_workers_exit(tmp_path) -> None:
+    script = TESTS / "engine_process.py"
+    instance = f"eng{uuid.uuid4().hex[:8]}"
+    engine_proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), "2", instance],
+                                   stdout=subprocess.PIPE, text=True, cwd=TESTS)
+    try:
+        pids = [int(p) for p in engine_proc.stdout.readline().split()]
+        assert len(pids) == 2
+        engine_proc.kill()
+        engine_proc.wait(10)
+        start = time.monotonic()
+        while any(_alive(p) for p in pids) and time.monotonic() - start < 15:
+            time.sleep(0.1)
+        took = time.monotonic() - start
+        assert not any(_alive(p) for p in pids), "workers outlived their engine"
+        assert took < 2.0 + 3.0  # engine_timeout_s=2 plus shutdown
+        logs = "".join(p.read_text() for p in tmp_path.glob("rank*.log"))
+        assert logs.count("nothing from the engine") == 2
+        assert len(list(Path("/dev/shm").glob(f"kvtier-{instance}-*"))) == 0
+        assert len(list(default_socket_dir().glob(f"{instance}-*"))) == 0
+    finally:
+        engine_proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its dead parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_concurrent_submitters(tmp_path) -> None:
+    with engine(tmp_path) as (client, caches):
+        errors, answered = [], []
+
+        def run(offset: int) -> None:
+            try:
+                for i in range(50):
+                    res = client.swap_out([offset + i % 10], [offset // 10 + i % 5])
+                    answered.append(res.status)
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(o,)) for o in (0, 10)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors and len(answered) == 100
+        assert all(s is t.Status.OK for s in answered)
+        fill(caches[0], 5)
+
+
+def test_in_process_worker_as_a_library_object(tmp_path) -> None:
+    from kvtier.client import Client
+    from kvtier.config import WorkerConfig
+    from kvtier.worker import Worker
+
+    cfg = WorkerConfig(spec=WSPEC, instance_id=f"lib{uuid.uuid4().hex[:6]}",
+                       device_cache_mode="create", storage={"backend": "memory"},
+                       num_host_blocks=8, staging_blocks=2)
+    worker = Worker(cfg).start()
+    try:
+        fill(worker.device_cache, 3)
+        want = block(worker.device_cache, 5)
+        with Client.connect([cfg.endpoint_address], **FAST) as client:
+            assert client.save(hashes(1), [5]).status is t.Status.OK
+            assert client.load(hashes(1), [6]).blocks == [6]
+            assert client.ping() < 1.0
+        assert same(block(worker.device_cache, 6), want)
+    finally:
+        worker.close()
+    assert not Path(cfg.endpoint_address[len("ipc://"):]).exists()
+    assert not list(Path("/dev/shm").glob(f"kvtier-{cfg.instance_id}-*"))
+
+
+def test_sigterm_answers_every_task_and_cleans_up(tmp_path) -> None:
+    with engine(tmp_path, world_size=1,
+                storage={"backend": "memory", "faults": {"latency_s": 0.5}}) as (client, _):
+        futures = [client.submit(t.Lookup(0, hashes(1))) for _ in range(4)]
+        time.sleep(0.2)  # the first is running, three are queued behind it
+        os.kill(client.pids[0], signal.SIGTERM)
+        statuses = []
+        for f in futures:
+            try:
+                statuses.append(f.result(10).status)
+            except WorkerLost:
+                statuses.append("lost")
+        assert statuses[0] is t.Status.OK  # in flight: finished
+        assert all(s is t.Status.CANCELLED for s in statuses[1:]), statuses  # queued: answered
+        assert client._ranks[0].process.wait(10) == 0

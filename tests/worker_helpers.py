@@ -1,0 +1,54 @@
+"""Fixtures for the worker/client tests: engine-owned device caches and a launched client."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import torch
+
+from kvtier.client import Client
+from kvtier.device import DeviceCache, cache_name
+from kvtier.spec import KVCacheSpec
+
+WSPEC = KVCacheSpec(num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64,
+                    dtype="block_wise_fp8")
+FAST = {"worker_timeout_s": 3.0, "task_timeout_s": 20.0, "heartbeat_interval_s": 0.2}
+
+
+def fill(cache: DeviceCache, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for row in cache.tensors:
+        for tensor in row:
+            raw = tensor.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def block(cache: DeviceCache, b: int) -> list[torch.Tensor]:
+    return [x[b].view(torch.uint8).clone() for row in cache.tensors for x in row]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@contextlib.contextmanager
+def engine(tmp_path, world_size: int = 2, storage: dict | None = None, **settings):
+    """An 'engine': per-rank device caches in shared memory, and a client with its workers."""
+    instance = f"t{uuid.uuid4().hex[:8]}"
+    caches = [DeviceCache.create(WSPEC, cache_name(instance, r)) for r in range(world_size)]
+    for r, cache in enumerate(caches):
+        fill(cache, seed=r)
+    storage = storage or {"backend": "file", "root": str(tmp_path / "store")}
+    settings.setdefault("num_host_blocks", 16)
+    settings.setdefault("staging_blocks", 4)
+    client = None
+    try:
+        client = Client.launch(WSPEC, world_size, storage, instance_id=instance,
+                               log_dir=tmp_path, client_options=FAST, **settings)
+        yield client, caches
+    finally:
+        if client is not None:
+            client.close()
+        for cache in caches:
+            cache.close()
