@@ -62,6 +62,7 @@ class _Pending:
     future: Future
     deadline: float
     results: dict[int, t.Result] = field(default_factory=dict)
+    expected: set[int] | None = None  # ranks that must answer (None: all)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,8 @@ class Client:
             if pending is None:
                 return  # answered already (timed out, or a worker was lost)
             pending.results[r.rank] = result
-            if len(pending.results) < self.world_size:
+            expected = pending.expected or range(self.world_size)
+            if any(rank not in pending.results for rank in expected):
                 return
             del self._pending[result.task_id]
         pending.future.set_result(aggregate(pending.task, pending.results))
@@ -399,10 +401,20 @@ class Client:
         """Shut the workers down cleanly (they answer what they hold), then stop."""
         if self._thread is None:
             return
-        live = [r for r in self._ranks if not r.lost and r.welcomed]
+        live = [
+            r
+            for r in self._ranks
+            if not r.lost and r.welcomed and (r.process is None or r.process.poll() is None)
+        ]
+        self._closing = True
         if live:
-            future = self.submit(t.Shutdown(0), timeout_s)
-            self._closing = True
+            task = t.Shutdown(next(self._ids))
+            future: Future = Future()
+            with self._lock:
+                self._pending[task.task_id] = _Pending(
+                    task, future, time.monotonic() + timeout_s, expected={r.rank for r in live}
+                )
+            self._send_all(task)
             try:
                 future.result(timeout_s + 1)
             except Exception as e:  # a lost or slow worker: its process is ended below
