@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import yaml
-from worker_helpers import WSPEC
 
 from kvtier.config import WorkerConfig, load_config
 from kvtier.errors import ConfigError
+from worker_helpers import WSPEC
 
 
 def _yaml(tmp_path, **extra):
@@ -27,7 +27,8 @@ def test_precedence_flags_over_env_over_yaml(tmp_path) -> None:
     assert cfg.storage == {"backend": "memory"}
     assert cfg.device_cache_name == "kvtier-abc-rank2-dev0"
     assert cfg.endpoint_address.startswith("ipc://") and cfg.endpoint_address.endswith(
-        "abc-rank2.sock")
+        "abc-rank2.sock"
+    )
     assert WorkerConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -57,13 +58,27 @@ def test_env_value_of_the_wrong_type(tmp_path) -> None:
 
 def test_serve_refuses_bad_flags_with_one_line(tmp_path) -> None:
     def serve(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", *flags],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "serve", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     out = serve("--config", str(_yaml(tmp_path)), "--write_policy", "write_around")
     assert out.returncode == 2
     assert "write_policy: got 'write_around'; allowed: write_through, write_back" in out.stderr
-    out = serve("--instance-id", "x", "--key_cache_shape", "10,2,16,64", "--num_layers", "2",
-                "--storage_backend", "redis", "--device-cache-mode", "create")
+    out = serve(
+        "--instance-id",
+        "x",
+        "--key_cache_shape",
+        "10,2,16,64",
+        "--num_layers",
+        "2",
+        "--storage_backend",
+        "redis",
+        "--device-cache-mode",
+        "create",
+    )
     assert out.returncode == 2
     assert "storage.backend: got 'redis'; allowed: file, mooncake, memory" in out.stderr

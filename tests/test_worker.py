@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from worker_helpers import FAST, WSPEC, block, engine, fill, same
 
 from kvtier import tasks as t
 from kvtier.config import default_socket_dir
 from kvtier.errors import TaskTimeout, WorkerLost
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage.file import FileStore
+from worker_helpers import FAST, WSPEC, block, engine, fill, same
 
 TESTS = Path(__file__).resolve().parent
 
@@ -57,8 +57,10 @@ def test_every_task_type_moves_real_bytes(tmp_path) -> None:
 
 def test_load_gives_the_shortest_prefix_over_ranks(tmp_path) -> None:
     root = tmp_path / "store"
-    with engine(tmp_path, storage={"backend": "file", "root": str(root)},
-                namespace="m") as (client, caches):
+    with engine(tmp_path, storage={"backend": "file", "root": str(root)}, namespace="m") as (
+        client,
+        caches,
+    ):
         h = hashes(4)
         assert client.save(h, [1, 2, 3, 4]).status is t.Status.OK
         rank1 = KeyScheme("m", WSPEC.fingerprint, rank=1, version="")
@@ -162,8 +164,9 @@ def test_garbage_on_the_socket_is_logged_and_dropped(tmp_path) -> None:
 
         for junk in (b"", b"\x00\xff garbage", b"\x93\x01\x02", os.urandom(5000)):
             raw.send(junk)
-        raw.send(msgspec.msgpack.encode({"type": "swap_out", "task_id": 77,
-                                         "device_block_ids": "nope"}))
+        raw.send(
+            msgspec.msgpack.encode({"type": "swap_out", "task_id": 77, "device_block_ids": "nope"})
+        )
         assert raw.poll(5000), "a malformed task with a task id is answered"
         answer = t.decode(raw.recv())
         assert answer.task_id == 77 and answer.status is t.Status.ERROR
@@ -181,7 +184,9 @@ def test_garbage_on_the_socket_is_logged_and_dropped(tmp_path) -> None:
 
 def test_worker_killed_mid_task_fails_pending_futures_quickly(tmp_path) -> None:
     with engine(tmp_path, storage={"backend": "memory", "faults": {"latency_s": 2.0}}) as (
-            client, caches):
+        client,
+        caches,
+    ):
         future = client.submit(t.Save(0, hashes(2), [1, 2]))
         time.sleep(0.3)
         start = time.monotonic()
@@ -194,17 +199,21 @@ def test_worker_killed_mid_task_fails_pending_futures_quickly(tmp_path) -> None:
 
 
 def test_task_timeout(tmp_path) -> None:
-    with engine(tmp_path, world_size=1,
-                storage={"backend": "memory", "faults": {"latency_s": 3.0}}) as (client, _):
-        with pytest.raises(TaskTimeout, match="ranks \\[0\\] did not answer in time"):
-            client.submit(t.Lookup(0, hashes(1)), timeout_s=0.5).result(10)
+    with engine(
+        tmp_path, world_size=1, storage={"backend": "memory", "faults": {"latency_s": 3.0}}
+    ) as (client, _), pytest.raises(TaskTimeout, match="ranks \\[0\\] did not answer in time"):
+        client.submit(t.Lookup(0, hashes(1)), timeout_s=0.5).result(10)
 
 
 def test_engine_death_makes_workers_exit(tmp_path) -> None:
     script = TESTS / "engine_process.py"
     instance = f"eng{uuid.uuid4().hex[:8]}"
-    engine_proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), "2", instance],
-                                   stdout=subprocess.PIPE, text=True, cwd=TESTS)
+    engine_proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "2", instance],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+    )
     try:
         pids = [int(p) for p in engine_proc.stdout.readline().split()]
         assert len(pids) == 2
@@ -264,9 +273,14 @@ def test_in_process_worker_as_a_library_object(tmp_path) -> None:
     from kvtier.config import WorkerConfig
     from kvtier.worker import Worker
 
-    cfg = WorkerConfig(spec=WSPEC, instance_id=f"lib{uuid.uuid4().hex[:6]}",
-                       device_cache_mode="create", storage={"backend": "memory"},
-                       num_host_blocks=8, staging_blocks=2)
+    cfg = WorkerConfig(
+        spec=WSPEC,
+        instance_id=f"lib{uuid.uuid4().hex[:6]}",
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+        num_host_blocks=8,
+        staging_blocks=2,
+    )
     worker = Worker(cfg).start()
     try:
         fill(worker.device_cache, 3)
@@ -278,13 +292,14 @@ def test_in_process_worker_as_a_library_object(tmp_path) -> None:
         assert same(block(worker.device_cache, 6), want)
     finally:
         worker.close()
-    assert not Path(cfg.endpoint_address[len("ipc://"):]).exists()
+    assert not Path(cfg.endpoint_address[len("ipc://") :]).exists()
     assert not list(Path("/dev/shm").glob(f"kvtier-{cfg.instance_id}-*"))
 
 
 def test_sigterm_answers_every_task_and_cleans_up(tmp_path) -> None:
-    with engine(tmp_path, world_size=1,
-                storage={"backend": "memory", "faults": {"latency_s": 0.5}}) as (client, _):
+    with engine(
+        tmp_path, world_size=1, storage={"backend": "memory", "faults": {"latency_s": 0.5}}
+    ) as (client, _):
         futures = [client.submit(t.Lookup(0, hashes(1))) for _ in range(4)]
         time.sleep(0.2)  # the first is running, three are queued behind it
         os.kill(client.pids[0], signal.SIGTERM)
@@ -297,3 +312,95 @@ def test_sigterm_answers_every_task_and_cleans_up(tmp_path) -> None:
         assert statuses[0] is t.Status.OK  # in flight: finished
         assert all(s is t.Status.CANCELLED for s in statuses[1:]), statuses  # queued: answered
         assert client._ranks[0].process.wait(10) == 0
+
+
+def test_wakeup_without_the_device_cache_is_a_500_then_recovers(tmp_path) -> None:
+    from kvtier.device import DeviceCache
+
+    with engine(tmp_path, world_size=1) as (client, caches):
+        name = caches[0].name
+        assert client.control("sleep").code == 200
+        caches[0].close()  # the engine freed its cache (say, for training)
+        answer = client.control("wakeup")
+        assert answer.code == 500 and "cannot re-attach the device cache" in answer.message
+        caches[0] = DeviceCache.create(WSPEC, name)  # re-created, as after training
+        assert client.control("wakeup").code == 200
+        assert client.swap_out([1], [0]).status is t.Status.OK
+
+
+def test_resume_rereads_version_yaml_and_a_missing_file_keeps_it(tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "version.yaml").write_text("version: RL-STEP5-20250101-abc\n")
+    with engine(tmp_path, world_size=1, model_dir=str(model)) as (client, _):
+        h = hashes(2)
+        client.save(h, [1, 2])
+        (model / "version.yaml").write_text("version: RL-STEP6-20250102-abc\n")
+        client.control("pause")
+        assert "RL-STEP6" in client.control("resume").message
+        assert client.lookup(h) == 0
+        (model / "version.yaml").unlink()
+        answer = client.control("update_weights")
+        assert answer.code == 200 and "stays 'RL-STEP6'" in answer.message
+        client.save(h, [1, 2])
+        assert client.lookup(h) == 2
+
+
+def test_launch_failure_says_why(tmp_path) -> None:
+    from kvtier.client import Client
+    from kvtier.errors import WorkerError
+
+    with pytest.raises(WorkerError, match="no device cache named"):
+        Client.launch(WSPEC, 1, {"backend": "memory"}, start_timeout_s=30)
+
+
+def test_serve_with_the_old_engine_flags(tmp_path) -> None:
+    from kvtier.client import Client
+    from kvtier.config import endpoint_for
+
+    instance = f"old{uuid.uuid4().hex[:6]}"
+    flags = [
+        "--instance-id",
+        instance,
+        "--key_cache_shape",
+        "40,2,16,64",
+        "--value_cache_shape",
+        "40,2,16,64",
+        "--cache_dtype",
+        "block_wise_fp8",
+        "--num_layers",
+        "2",
+        "--rank",
+        "0",
+        "--mp_num",
+        "1",
+        "--num_cpu_blocks",
+        "16",
+        "--storage_backend",
+        "file",
+        "--storage-root",
+        str(tmp_path / "s"),
+        "--write_policy",
+        "write_through",
+        "--max_model_len",
+        "256",
+        "--model_path",
+        str(tmp_path),
+        "--device-cache-mode",
+        "create",
+        "--engine-timeout-s",
+        "20",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", *flags], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        with Client.connect([endpoint_for(instance, 0)], **FAST) as client:
+            assert client.save(hashes(2), [1, 2]).blocks == [1, 2]
+            stats = client.control("stats").per_rank[0].data
+            assert stats["tasks"]["save"]["tasks"] == 1
+        assert proc.wait(20) == 0
+        err = proc.stderr.read()
+        assert "rank0 INFO" in err and "save 1 -> ok, 2 blocks" in err  # rank in every line
+    finally:
+        proc.kill()

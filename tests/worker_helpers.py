@@ -11,8 +11,9 @@ from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
 from kvtier.spec import KVCacheSpec
 
-WSPEC = KVCacheSpec(num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64,
-                    dtype="block_wise_fp8")
+WSPEC = KVCacheSpec(
+    num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64, dtype="block_wise_fp8"
+)
 FAST = {"worker_timeout_s": 3.0, "task_timeout_s": 20.0, "heartbeat_interval_s": 0.2}
 
 
@@ -44,8 +45,15 @@ def engine(tmp_path, world_size: int = 2, storage: dict | None = None, **setting
     settings.setdefault("staging_blocks", 4)
     client = None
     try:
-        client = Client.launch(WSPEC, world_size, storage, instance_id=instance,
-                               log_dir=tmp_path, client_options=FAST, **settings)
+        client = Client.launch(
+            WSPEC,
+            world_size,
+            storage,
+            instance_id=instance,
+            log_dir=tmp_path,
+            client_options=FAST,
+            **settings,
+        )
         yield client, caches
     finally:
         if client is not None:

@@ -129,6 +129,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             "write_policy", f"got {args.write_policy!r}; allowed: {', '.join(WRITE_POLICIES)}"
         )
+    if args.max_model_len:  # stage a whole request per step, as the old staging buffers did
+        overrides["staging_blocks"] = (
+            -(-args.max_model_len // overrides["spec"].block_size) if "spec" in overrides else None
+        )
+    if args.device_id is not None:
+        overrides["device"] = f"cuda:{args.device_id}" if args.device == "cuda" else args.device
     if args.storage_backend or args.storage_root:
         storage = {"backend": args.storage_backend or "file"}
         if args.storage_root:
@@ -189,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--endpoint", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--engine-timeout-s", type=float)
     serve.add_argument("--write_policy", "--write-policy", dest="write_policy")
+    serve.add_argument(
+        "--max_model_len",
+        "--max-model-len",
+        dest="max_model_len",
+        type=int,
+        help="longest request in tokens: sizes the storage staging",
+    )
+    serve.add_argument("--device_id", "--device-id", dest="device_id", type=int)
     from kvtier.spec import legacy_flag_parser
 
     legacy = serve.add_argument_group("the old engine's cache flags")
@@ -198,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, each beside the limit it is measured against")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from kvtier_bench import copy as copy_bench
+    from kvtier_bench import latency as latency_bench
     from kvtier_bench import storage as storage_bench
 
     b = bench_sub.add_parser("copy", help="device<->host swap GB/s vs contiguous copy and loop")
@@ -206,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench_sub.add_parser("storage", help="storage save/load GB/s vs raw disk / raw Mooncake")
     storage_bench.add_arguments(b)
     b.set_defaults(func=_bench, bench_report=storage_bench.report)
+    b = bench_sub.add_parser("latency", help="1-block swap round trip vs raw ZeroMQ round trip")
+    latency_bench.add_arguments(b)
+    b.set_defaults(func=_bench, bench_report=latency_bench.report)
     return p
 
 

@@ -148,31 +148,38 @@ class Client:
             for rank in range(world_size)
         ]
         config_dir = Path(tempfile.mkdtemp(prefix=f"kvtier-{instance_id}-"))
-        processes = []
+        processes: list[subprocess.Popen] = []
+        log_paths: list[Path] = []
         try:
             for cfg in configs:
                 path = config_dir / f"rank{cfg.rank}.yaml"
                 path.write_text(yaml.safe_dump(cfg.to_dict()))
-                out = (
-                    open(Path(log_dir) / f"rank{cfg.rank}.log", "ab")  # noqa: SIM115 - child's
-                    if log_dir
-                    else subprocess.DEVNULL
-                )
-                processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(path)],
-                        stdout=out,
-                        stderr=out if log_dir else None,
-                        stdin=subprocess.DEVNULL,
+                log_path = Path(log_dir or config_dir) / f"rank{cfg.rank}.log"
+                with open(log_path, "ab") as out:
+                    processes.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(path)],
+                            stdout=out,
+                            stderr=out,
+                            stdin=subprocess.DEVNULL,
+                        )
                     )
-                )
+                log_paths.append(log_path)
             client = cls(
                 [c.endpoint_address for c in configs],
                 processes=processes,
-                cleanup_paths=[config_dir],
                 **(client_options or {}),
             )
-            return client.start(start_timeout_s)
+            client.start(start_timeout_s)
+            client._cleanup_paths.append(config_dir)  # removed by close(), logs included
+            return client
+        except WorkerError as e:
+            for p in processes:
+                p.kill()
+                p.wait()
+            tails = [f"--- {p.name} ---\n{_tail(p)}" for p in log_paths if p.exists()]
+            _remove_tree(config_dir)
+            raise WorkerError(f"{e}\n" + "\n".join(tails)) from None
         except BaseException:
             for p in processes:
                 p.kill()
@@ -493,6 +500,10 @@ def _drain(sock: zmq.Socket) -> None:
             sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _remove_tree(path: Path) -> None:

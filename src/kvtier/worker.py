@@ -47,6 +47,7 @@ DRAIN_TIMEOUT_S = 60.0  # pause/sleep wait this long for in-flight tasks
 # Swaps this small run on the loop thread when their direction is idle (microseconds of copying).
 INLINE_MAX_BLOCKS = 4
 INLINE_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN)
+QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
 
 
 class Worker:
@@ -324,13 +325,18 @@ class Worker:
             self.gate.done()
         seconds = time.perf_counter() - start
         kind = t.task_name(task)
+        direction = t.DIRECTIONS[type(task)]
         with self._counter_lock:
             c = self._counters[kind]
             c["tasks"] += 1
             c["bytes"] += outcome.bytes_moved
             c["microseconds"] += int(seconds * 1e6)
             c[outcome.status.value] += 1
-        log.debug(
+        # Storage transfers are logged like the old system did (block count, elapsed time);
+        # swaps and lookups, thousands a second, only at DEBUG. Numbers go to stats().
+        level = logging.DEBUG if direction in QUIET_DIRECTIONS else logging.INFO
+        log.log(
+            level,
             "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms",
             self.rank,
             kind,

@@ -71,8 +71,24 @@ def _resume(worker: Worker, args: dict, timeout_s: float) -> Answer:
         return t.Code.CONFLICT, "cannot resume while sleeping: wake up first", {}
     if state is WorkerState.RUNNING:
         return t.Code.OK, "already running", {}
+    note = _reread_version(worker)
     released = worker.gate.resume(worker._submit)
-    return t.Code.OK, f"resumed; released {released} held tasks in order", {"released": released}
+    return (
+        t.Code.OK,
+        f"resumed; released {released} held tasks in order{note}",
+        {"released": released},
+    )
+
+
+def _reread_version(worker: Worker) -> str:
+    """Like the old system, resume re-reads version.yaml; a missing file keeps the version."""
+    if not worker.config.model_dir:
+        return ""
+    version = read_weight_version(worker.config.model_dir)
+    if version and version != worker.datapath.keys.version:
+        worker.datapath.set_version(version)
+        return f"; weight version is now {version!r}"
+    return ""
 
 
 def _update_weights(worker: Worker, args: dict, timeout_s: float) -> Answer:
@@ -81,6 +97,9 @@ def _update_weights(worker: Worker, args: dict, timeout_s: float) -> Answer:
         if not worker.config.model_dir:
             return t.Code.BAD_REQUEST, "no version given and no model_dir to read it from", {}
         version = read_weight_version(worker.config.model_dir)
+        if not version:  # missing or malformed version.yaml: logged; the version stays
+            kept = worker.datapath.keys.version
+            return t.Code.OK, f"version.yaml unreadable: weight version stays {kept!r}", {}
     if not isinstance(version, str):
         return t.Code.BAD_REQUEST, f"version must be a string, got {version!r}", {}
     previous = worker.datapath.keys.version

@@ -1,0 +1,103 @@
+"""`kvtier bench latency`: a 1-block swap_out round trip through the client, beside a raw
+ZeroMQ request-reply (a heartbeat echoed by the same workers over the same sockets).
+
+Both go engine -> every rank -> engine; the difference is kvtier's own cost (task encoding,
+admission, the copy of one block, fan-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import uuid
+from collections.abc import Sequence
+
+from kvtier import DeviceCache, KVCacheSpec
+from kvtier.client import Client
+from kvtier.device import cache_name
+from kvtier_bench.common import print_json_rows, print_table, progress
+
+COLUMNS = [
+    ("what", "round trip", "s"),
+    ("ranks", "ranks", "d"),
+    ("n", "N", "d"),
+    ("p50_us", "p50 us", ".0f"),
+    ("p99_us", "p99 us", ".0f"),
+    ("mean_us", "mean us", ".0f"),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--n", type=int, default=3000, help="round trips per measurement")
+    p.add_argument("--json", action="store_true")
+
+
+def _stats(what: str, ranks: int, samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {
+        "what": what,
+        "ranks": ranks,
+        "n": len(samples),
+        "p50_us": statistics.median(ordered) * 1e6,
+        "p99_us": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6,
+        "mean_us": statistics.fmean(ordered) * 1e6,
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import time
+
+    spec = KVCacheSpec(num_layers=8, num_blocks=64, num_kv_heads=8, block_size=16, head_dim=128)
+    instance = f"lat{uuid.uuid4().hex[:8]}"
+    caches = [DeviceCache.create(spec, cache_name(instance, r)) for r in range(args.ranks)]
+    try:
+        progress(f"launching {args.ranks} workers")
+        with Client.launch(
+            spec, args.ranks, {"backend": "memory"}, instance_id=instance, num_host_blocks=64
+        ) as client:
+            swap, raw = [], []
+            for i in range(args.n + 200):  # interleaved, the first 200 warm up
+                start = time.perf_counter()
+                client.swap_out([i % 64], [i % 64])
+                took = time.perf_counter() - start
+                ping = client.ping()
+                if i >= 200:
+                    swap.append(took)
+                    raw.append(ping)
+    finally:
+        for cache in caches:
+            cache.close()
+    rows = [
+        _stats("swap_out 1 block", args.ranks, swap),
+        _stats("raw zmq req-rep", args.ranks, raw),
+    ]
+    rows[0]["overhead_p50_us"] = rows[0]["p50_us"] - rows[1]["p50_us"]
+    rows[0]["block_bytes"] = spec.block_bytes
+    return rows
+
+
+def report(args: argparse.Namespace) -> int:
+    rows = run(args)
+    if args.json:
+        print_json_rows(rows)
+    else:
+        print(
+            f"kvtier bench latency ({args.ranks} ranks, {args.n} round trips each, "
+            f"1 block = {rows[0]['block_bytes'] >> 10} KiB)"
+        )
+        print_table(rows, COLUMNS)
+        print(
+            f"kvtier overhead above the raw round trip (p50): {rows[0]['overhead_p50_us']:.0f} us"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvtier bench latency", description=__doc__)
+    add_arguments(p)
+    return report(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
