@@ -14,5 +14,7 @@ def test_readme_python_examples_run() -> None:
     assert blocks, "README has no python example"
     for code in blocks:
         # A unique instance id, so a parallel run or a live engine never collides with the example.
-        code = code.replace("kvtier-myengine-", f"kvtier-readme{uuid.uuid4().hex[:8]}-")
+        unique = uuid.uuid4().hex[:8]
+        code = code.replace("kvtier-myengine-", f"kvtier-readme{unique}-")
+        code = code.replace('"readme-tp"', f'"readme{unique}"')
         exec(compile(code, str(README), "exec"), {})
