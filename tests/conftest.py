@@ -64,3 +64,27 @@ def fill_random(cache: DeviceCache, seed: int = 0) -> None:
 def block_bytes_of(cache: DeviceCache, block: int) -> list[torch.Tensor]:
     """Copies of every (layer, part) of one device block, as raw bytes."""
     return [t[block].view(torch.uint8).clone() for row in cache.tensors for t in row]
+
+
+# ---- figures the reliability suite reports (printed at the end of the run) -----------------
+
+_FIGURES: dict[str, dict] = {}
+
+
+@pytest.fixture
+def figures(request):
+    """Record figures for this test: ``figures["name"] = value``; printed in the summary."""
+    mine = _FIGURES.setdefault(request.node.name, {})
+    return mine
+
+
+def pytest_terminal_summary(terminalreporter):
+    rows = {k: v for k, v in _FIGURES.items() if v}
+    if not rows:
+        return
+    terminalreporter.section("kvtier reliability figures")
+    for test, values in rows.items():
+        shown = ", ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
+        )
+        terminalreporter.write_line(f"{test}: {shown}")

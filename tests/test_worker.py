@@ -199,9 +199,12 @@ def test_worker_killed_mid_task_fails_pending_futures_quickly(tmp_path) -> None:
 
 
 def test_task_timeout(tmp_path) -> None:
-    with engine(
-        tmp_path, world_size=1, storage={"backend": "memory", "faults": {"latency_s": 3.0}}
-    ) as (client, _), pytest.raises(TaskTimeout, match="ranks \\[0\\] did not answer in time"):
+    with (
+        engine(
+            tmp_path, world_size=1, storage={"backend": "memory", "faults": {"latency_s": 3.0}}
+        ) as (client, _),
+        pytest.raises(TaskTimeout, match="ranks \\[0\\] did not answer in time"),
+    ):
         client.submit(t.Lookup(0, hashes(1)), timeout_s=0.5).result(10)
 
 

@@ -1,0 +1,580 @@
+"""Reliability suite: faults, crashes, corruption, hostile input, control in every state, load.
+
+Every test reports its figures (see the "kvtier reliability figures" section of the run) and
+RELIABILITY.md lists them. Loopback only, bounded in time; the slowest cases are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from contextlib import suppress
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier import tasks as t
+from kvtier.client import Client
+from kvtier.errors import WorkerLost
+from kvtier.keys import KeyScheme, block_hashes
+from kvtier.storage.file import FileStore
+from worker_helpers import FAST, WSPEC, block, engine, same
+
+TESTS = Path(__file__).resolve().parent
+
+
+def hashes(n: int, seed: int) -> list[bytes]:
+    tokens = np.random.default_rng(seed).integers(0, 50_000, n * WSPEC.block_size)
+    return block_hashes(tokens, WSPEC.block_size)
+
+
+def _proc_figures(pid: int) -> tuple[int, int]:
+    """(RSS in KiB, open file descriptors) of a process."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# ---- 1. worker death -----------------------------------------------------------------------
+
+SLOW_STORAGE = {"backend": "memory", "faults": {"latency_s": 1.0}}
+TASKS = {
+    "swap_out": lambda: [t.SwapOut(0, [i % 30], [i % 16]) for i in range(300)],
+    "swap_in": lambda: [t.SwapIn(0, [i % 16], [i % 30]) for i in range(300)],
+    "save": lambda: [t.Save(0, hashes(2, 1), [1, 2])],
+    "load": lambda: [t.Load(0, hashes(2, 1), [1, 2])],
+    "save_host": lambda: [t.SaveHost(0, hashes(2, 2), [1, 2])],
+    "load_host": lambda: [t.LoadHost(0, hashes(2, 2), [1, 2])],
+    "lookup": lambda: [t.Lookup(0, hashes(2, 3))],
+}
+
+
+@pytest.mark.slow
+def test_worker_death_during_each_task_type(tmp_path, figures) -> None:
+    worst = 0.0
+    root = tmp_path / "store"
+    with engine(tmp_path, storage={"backend": "file", "root": str(root)}) as (client, caches):
+        kept = hashes(3, 99)
+        assert client.save(kept, [5, 6, 7]).blocks == [5, 6, 7]
+        want = [[block(c, b) for b in (5, 6, 7)] for c in caches]
+        instance = client._ranks[0].endpoint.rsplit("/", 1)[1].split("-rank")[0]
+    storage = {
+        "backend": "file",
+        "root": str(root),
+        "faults": {"latency_s": 1.0},
+    }  # storage tasks take a while: kill lands mid-task
+    from kvtier.device import DeviceCache, cache_name
+
+    caches = [DeviceCache.create(WSPEC, cache_name(instance, r)) for r in range(2)]
+    try:
+        for kind, make in TASKS.items():
+            client = Client.launch(
+                WSPEC,
+                2,
+                storage,
+                instance_id=instance,
+                log_dir=tmp_path,
+                client_options=FAST,
+                num_host_blocks=16,
+                staging_blocks=4,
+            )
+            try:
+                futures = [client.submit(task) for task in make()]
+                time.sleep(0.05)
+                killed = time.monotonic()
+                os.kill(client.pids[1], signal.SIGKILL)
+                failed = 0
+                for f in futures:
+                    try:
+                        f.result(FAST["worker_timeout_s"] + 5)
+                    except WorkerLost:
+                        failed += 1
+                took = time.monotonic() - killed
+                assert failed >= 1, f"{kind}: the kill landed after every task finished"
+                assert took < FAST["worker_timeout_s"], kind
+                worst = max(worst, took)
+                figures[f"{kind}_failed"] = failed
+            finally:
+                client.close()
+        # A replacement set of workers continues, and the stored blocks are still valid.
+        with Client.launch(
+            WSPEC,
+            2,
+            {"backend": "file", "root": str(root)},
+            instance_id=instance,
+            client_options=FAST,
+            num_host_blocks=16,
+        ) as client:
+            assert client.load(kept, [20, 21, 22]).blocks == [20, 21, 22]
+            assert client.swap_out([1], [0]).status is t.Status.OK
+        for cache, w in zip(caches, want):
+            assert all(same(block(cache, 20 + i), w[i]) for i in range(3))
+    finally:
+        for cache in caches:
+            cache.close()
+    figures["worst_failure_s"] = worst
+
+
+# ---- 2. engine death ------------------------------------------------------------------------
+
+
+def test_engine_death_and_a_clean_restart(tmp_path, figures) -> None:
+    from kvtier.config import default_socket_dir
+
+    instance = f"eng{uuid.uuid4().hex[:8]}"
+    for attempt in range(2):  # the second start reuses every name the first one had
+        engine_proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "engine_process.py"), str(tmp_path), "2", instance],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=TESTS,
+        )
+        pids = [int(p) for p in engine_proc.stdout.readline().split()]
+        engine_proc.kill()
+        engine_proc.wait(10)
+        start = time.monotonic()
+        while any(_alive(p) for p in pids) and time.monotonic() - start < 15:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+        figures[f"exit_after_engine_death_s_{attempt}"] = time.monotonic() - start
+        assert not list(Path("/dev/shm").glob(f"kvtier-{instance}-*"))
+        assert not list(default_socket_dir().glob(f"{instance}-*"))
+    figures["engine_timeout_s"] = 2.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- 3. storage faults ------------------------------------------------------------------------
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_file_store_directory_removed(tmp_path, figures) -> None:
+    root = tmp_path / "store"
+    with engine(tmp_path, storage={"backend": "file", "root": str(root)}) as (client, _):
+        h = hashes(3, 1)
+        client.save(h, [1, 2, 3])
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+        res = client.load(h, [10, 11, 12])
+        assert res.blocks == [] and res.status is t.Status.PARTIAL  # a miss, not a crash
+        start = time.monotonic()
+        assert client.save(h, [1, 2, 3]).blocks == [1, 2, 3]  # recreated by itself
+        figures["recovery_s"] = time.monotonic() - start
+        assert client.load(h, [10, 11, 12]).blocks == [10, 11, 12]
+
+
+def test_file_store_read_only_and_full(tmp_path, figures) -> None:
+    mnt = tmp_path / "mnt"
+    if not _mount_tmpfs(mnt, "3m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        with engine(tmp_path, storage={"backend": "file", "root": str(mnt)}) as (client, _):
+            h = hashes(400, 5)
+            res = client.save(h, list(range(40)) * 10)  # far more than 3 MiB: the disk fills
+            saved = len(res.blocks)
+            figures["blocks_saved_before_full"] = saved
+            assert res.status is t.Status.PARTIAL and 20 < saved < 400
+            assert "stored" in res.message
+            assert client.load(h[:20], list(range(20, 40))).status is t.Status.OK
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+            ro = client.save(hashes(2, 6), [1, 2])
+            assert ro.blocks == [] and ro.status is t.Status.PARTIAL
+            assert client.lookup(h[:5]) == 5  # reads still work on a read-only store
+            subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+            start = time.monotonic()
+            with FileStore(WSPEC, {"root": mnt}) as store:
+                store.delete(store_keys(h, 2))
+            assert client.save(hashes(2, 6), [1, 2]).blocks == [1, 2]  # recovered by itself
+            figures["recovery_s"] = time.monotonic() - start
+    finally:
+        _umount(mnt)
+
+
+def store_keys(h: list[bytes], world_size: int) -> list[str]:
+    return [
+        KeyScheme("default", WSPEC.fingerprint, rank=r).key(x) for r in range(world_size) for x in h
+    ]
+
+
+@pytest.mark.parametrize("via", ["wrapper", "mooncake"])
+def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
+    """Storage goes away under a running worker: loads give 0 blocks, saves fail, the worker
+    stays up and recovers by itself when storage returns."""
+    if via == "wrapper":
+        storage = {
+            "backend": "memory",
+            "faults": {"unavailable_after_s": 1.0, "unavailable_for_s": 2.0},
+        }
+        master = None
+    else:
+        pytest.importorskip("mooncake.store", exc_type=ImportError)
+        from kvtier.storage.mooncake import LocalMaster
+
+        master = LocalMaster().start()
+        storage = master.config(global_segment_size=64 << 20, local_buffer_size=16 << 20)
+    try:
+        with engine(tmp_path, storage=storage) as (client, _):
+            h = hashes(2, 8)
+            assert client.save(h, [1, 2]).blocks == [1, 2]
+            if master is not None:
+                master.stop()
+            else:
+                time.sleep(1.1)
+            res = client.load(h, [3, 4])
+            assert res.status is t.Status.ERROR and "storage unavailable" in res.message
+            assert client.save(h, [1, 2]).status is t.Status.ERROR
+            assert client.swap_out([1], [0]).status is t.Status.OK  # the worker is up
+            if master is not None:
+                master.start()
+            start = time.monotonic()
+            while client.save(hashes(1, 9), [5]).status is not t.Status.OK:
+                assert time.monotonic() - start < 30, "no recovery"
+                time.sleep(0.1)
+            figures["recovery_s"] = time.monotonic() - start
+    finally:
+        if master is not None:
+            master.stop()
+
+
+# ---- 4. corruption ----------------------------------------------------------------------------
+
+
+def test_bit_flips_in_stored_objects_are_all_detected(tmp_path, figures) -> None:
+    root = tmp_path / "store"
+    rng = random.Random(4)
+    with engine(tmp_path, storage={"backend": "file", "root": str(root)}) as (client, caches):
+        prefixes = [hashes(6, 100 + i) for i in range(10)]
+        for h in prefixes:
+            assert client.save(h, [1, 2, 3, 4, 5, 6]).status is t.Status.OK
+        injected = {}  # prefix index -> first corrupted block
+        with FileStore(WSPEC, {"root": root}) as store:
+            for i in rng.sample(range(10), 6):
+                pos = rng.randrange(6)
+                key = KeyScheme("default", WSPEC.fingerprint, rank=rng.randrange(2)).key(
+                    prefixes[i][pos]
+                )
+                data = bytearray(store.read_object(key))
+                bit = rng.randrange(len(data) * 8)
+                data[bit // 8] ^= 1 << (bit % 8)
+                store.write_object(key, bytes(data))
+                injected[i] = pos
+        want = [block(c, 1) for c in caches]
+        for i, h in enumerate(prefixes):
+            res = client.load(h, [20, 21, 22, 23, 24, 25])
+            expected = injected.get(i, 6)
+            assert len(res.blocks) == expected, (i, res)  # stops right before the bad block
+            if expected:
+                assert all(same(block(c, 20), w) for c, w in zip(caches, want))
+        stats = [client.control("stats").per_rank[r].data["storage"] for r in range(2)]
+        detected = sum(s["corrupt"] for s in stats)
+        figures["injected"] = len(injected)
+        figures["detected"] = detected
+        assert detected == len(injected)
+
+
+def test_corruption_through_the_wrapper_on_every_backend(tmp_path, figures) -> None:
+    storage = {"backend": "memory", "faults": {"corrupt_rate": 0.3, "seed": 11}}
+    with engine(tmp_path, world_size=1, storage=storage) as (client, caches):
+        loaded = 0
+        for i in range(20):
+            h = hashes(4, 200 + i)
+            client.save(h, [1, 2, 3, 4])
+            res = client.load(h, [10, 11, 12, 13])
+            loaded += len(res.blocks)
+            for j, dev in enumerate(res.blocks):
+                assert same(block(caches[0], dev), block(caches[0], 1 + j))
+        stats = client.control("stats").per_rank[0].data["storage"]
+        figures["blocks_loaded_and_verified"] = loaded
+        figures["detected"] = stats["corrupt"]
+        assert stats["corrupt"] > 0 and loaded < 80
+
+
+# ---- 5. crash during save ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_50_times(tmp_path, figures) -> None:
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "crash_saver.py"), str(tmp_path), "50", "7"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=TESTS,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 50
+    assert all(r["visible"] == r["whole"] and r["prefix_ok"] and r["tmp_left"] == 0 for r in rows)
+    figures["kills"] = sum(r["killed"] for r in rows)
+    figures["visible_objects_checked"] = sum(r["visible"] for r in rows)
+    figures["partial_objects_seen"] = sum(r["visible"] - r["whole"] for r in rows)
+
+
+# ---- 6. hostile input -------------------------------------------------------------------------
+
+TAGS = [
+    "swap_out",
+    "swap_in",
+    "save",
+    "load",
+    "save_host",
+    "load_host",
+    "lookup",
+    "control",
+    "hello",
+    "heartbeat",
+    "result",
+    "welcome",
+    "explode",
+    "",
+]
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
+values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=10), c, max_size=5),
+    max_leaves=20,
+)
+HUGE = "<a list of 100,000 ids>"
+id_lists = st.one_of(
+    st.lists(st.integers(-5, 100), max_size=20),
+    st.just(HUGE),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+)
+task_like = st.fixed_dictionaries(
+    {"type": st.sampled_from(TAGS), "task_id": st.integers(1, 2**31)},
+    optional={
+        "device_block_ids": id_lists | values,
+        "host_block_ids": id_lists | values,
+        "block_hashes": st.lists(st.binary(max_size=40), max_size=5) | values,
+        "method": st.sampled_from(["reboot", "", "PAUSE", "stats"]) | values,
+        "args": st.dictionaries(st.text(max_size=8), values, max_size=3) | values,
+        "protocol_version": st.integers(-3, 5),
+        "extra": values,
+    },
+)
+
+
+def _encode(d: dict) -> bytes:
+    return msgspec.msgpack.encode(
+        {k: list(range(100_000)) if v == HUGE else v for k, v in d.items()}
+    )
+
+
+hostile = st.one_of(
+    st.binary(max_size=300),
+    task_like.map(_encode),
+    task_like.map(lambda d: _encode(d)[:-1]),  # truncated
+    values.map(msgspec.msgpack.encode),
+)
+
+
+def test_fuzzing_a_worker_socket(tmp_path, figures) -> None:
+    with engine(tmp_path, world_size=1) as (client, caches):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(client._ranks[0].endpoint)
+        counts = {"sent": 0, "answered": 0}
+
+        @settings(
+            max_examples=1200, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        @given(payload=hostile)
+        def fuzz(payload: bytes) -> None:
+            if _is_control_that_changes_state(payload):
+                return
+            counts["sent"] += 1
+            sock.send(payload)
+            if _expects_answer(payload):
+                assert sock.poll(5000), f"no answer to {payload[:80]!r}"
+            while sock.poll(0 if not counts["answered"] else 1):
+                sock.recv()
+                counts["answered"] += 1
+            client.ping()  # keep the engine heartbeat going; the worker must answer it
+
+        fuzz()
+        sock.close(0)
+        ctx.term()
+        figures.update(counts)
+        assert counts["sent"] >= 1000
+        # Alive and correct afterwards.
+        want = block(caches[0], 3)
+        assert client.swap_out([3], [15]).status is t.Status.OK
+        assert client.swap_in([15], [39]).status is t.Status.OK
+        assert same(block(caches[0], 39), want)
+        assert client.control("stats").per_rank[0].data["state"] == "running"
+
+
+def _decoded(payload: bytes):
+    with suppress(Exception):
+        return msgspec.msgpack.decode(payload)
+    return None
+
+
+def _expects_answer(payload: bytes) -> bool:
+    """What the worker promises: tasks, control, hello and heartbeats are answered; a
+    malformed message is answered when it carries a task id; anything else is dropped."""
+    try:
+        message = t.decode(payload)
+    except Exception:
+        raw = _decoded(payload)
+        return isinstance(raw, dict) and type(raw.get("task_id")) is int
+    return not isinstance(message, (t.Result, t.Welcome))
+
+
+def _is_control_that_changes_state(payload: bytes) -> bool:
+    """Valid pause/sleep/shutdown would (rightly) stop serving; the fuzz keeps to the rest."""
+    with suppress(Exception):
+        message = t.decode(payload)
+        return isinstance(message, t.Shutdown) or (
+            isinstance(message, t.Control) and message.method in {"pause", "sleep"}
+        )
+    return False
+
+
+# ---- 7. control in every state ----------------------------------------------------------------
+
+
+def test_control_in_every_state(tmp_path, figures) -> None:
+    slow = {"backend": "memory", "faults": {"latency_s": 0.3}}
+    with engine(tmp_path, storage=slow) as (client, _):
+        submitted, answered = 0, 0
+        futures = []
+
+        def submit(task):
+            nonlocal submitted
+            submitted += 1
+            futures.append(client.submit(task))
+
+        codes = [client.control(m).code for m in ("pause", "pause")]  # pause twice
+        for i in range(5):
+            submit(t.SwapOut(0, [i], [i]))
+        codes.append(client.control("update_weights", version="RL-STEP9").code)  # while paused
+        codes.append(client.control("resume").code)
+        codes.append(client.control("resume").code)  # resume while running
+        submit(t.Load(0, hashes(3, 1), [1, 2, 3]))  # a long load ...
+        time.sleep(0.05)
+        codes.append(client.control("sleep").code)  # ... sleep waits for it
+        submit(t.SwapOut(0, [1], [1]))  # refused while sleeping, with an answer
+        codes += [client.control("wakeup").code, client.control("wakeup").code]
+        codes.append(client.control("pause").code)
+        for i in range(3):
+            submit(t.SwapIn(0, [i], [i]))  # held, then shutdown while paused
+        time.sleep(0.2)
+        client.close()
+        for f in futures:
+            with suppress(Exception):
+                f.result(10)
+            answered += f.done()
+        statuses = [f.result().status.value for f in futures if f.exception() is None]
+        figures["submitted"] = submitted
+        figures["answered"] = answered
+        assert codes == [200] * len(codes)
+        assert answered == submitted
+        assert statuses[:5] == ["ok"] * 5 and statuses[6] == "error"
+        assert statuses[-3:] == ["cancelled"] * 3
+
+
+# ---- 8. sustained load ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sustained_load(tmp_path, figures) -> None:
+    with engine(tmp_path, storage={"backend": "memory"}) as (client, _):
+        for i in range(200):  # warm up
+            client.swap_out([i % 30], [i % 16])
+        before = [_proc_figures(p) for p in client.pids]
+        latencies: list[float] = []
+        lock = threading.Lock()
+        errors = []
+
+        def run(offset: int) -> None:
+            mine = []
+            try:
+                for i in range(5000):
+                    task = (
+                        t.SwapOut(0, [offset + i % 15], [offset // 2 + i % 8])
+                        if i % 3
+                        else t.Lookup(0, hashes(1, i % 7))
+                    )
+                    start = time.perf_counter()
+                    client.submit(task).result(30)
+                    mine.append(time.perf_counter() - start)
+            except Exception as e:
+                errors.append(e)
+            with lock:
+                latencies.extend(mine)
+
+        threads = [threading.Thread(target=run, args=(o,)) for o in (0, 15)]
+        start = time.monotonic()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(300)
+        took = time.monotonic() - start
+        after = [_proc_figures(p) for p in client.pids]
+        assert not errors, errors[0]
+        assert len(latencies) == 10_000
+        latencies.sort()
+        figures["tasks_answered"] = len(latencies)
+        figures["seconds"] = took
+        figures["p50_ms"] = latencies[5000] * 1e3
+        figures["p99_ms"] = latencies[9900] * 1e3
+        for r, ((rss0, fd0), (rss1, fd1)) in enumerate(zip(before, after)):
+            figures[f"rank{r}_rss_kib"] = f"{rss0}->{rss1}"
+            figures[f"rank{r}_fds"] = f"{fd0}->{fd1}"
+            assert fd1 <= fd0 + 2
+            assert rss1 < rss0 * 1.25 + 20_000
+
+
+# ---- 9. weight versions -----------------------------------------------------------------------
+
+
+def test_no_hits_across_a_weight_update(tmp_path, figures) -> None:
+    with engine(tmp_path, world_size=1, storage={"backend": "memory"}) as (client, _):
+        assert client.control("update_weights", version="RL-STEP1").code == 200
+        prefixes = [hashes(3, 1000 + i) for i in range(100)]
+        for h in prefixes:
+            assert client.save(h, [1, 2, 3]).status is t.Status.OK
+        assert client.control("update_weights", version="RL-STEP2").code == 200
+        hits = sum(client.lookup(h) for h in prefixes)
+        loads = sum(len(client.load(h, [4, 5, 6]).blocks) for h in prefixes)
+        figures["prefixes"] = len(prefixes)
+        figures["hits_after_update"] = hits + loads
+        assert hits == 0 and loads == 0
