@@ -69,9 +69,22 @@ static void copy_piece(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 }
 
+/* Start fetching the next piece while this one is copied: pieces of a gather are scattered. */
+static inline void prefetch_next(const int64_t *src, Py_ssize_t next, Py_ssize_t end) {
+#if defined(__SSE2__)
+    if (next < end) {
+        const char *p = (const char *)(intptr_t)src[next];
+        for (int k = 0; k < PREFETCH_AHEAD; k += 64) _mm_prefetch(p + k, _MM_HINT_NTA);
+    }
+#else
+    (void)src, (void)next, (void)end;
+#endif
+}
+
 static void *copy_span(void *arg) {
     const Span *s = (const Span *)arg;
     for (Py_ssize_t i = s->begin; i < s->end; i++) {
+        prefetch_next(s->src, i + 1, s->end);
         copy_piece((char *)(intptr_t)s->dst[i], (const char *)(intptr_t)s->src[i],
                    (size_t)s->size[i]);
     }
