@@ -97,7 +97,7 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
             else cache.segment[4096 : 4096 + capacity * spec.block_bytes]
         )
         dev_flat.fill_(1)
-        host_flat = pool.slab.view(-1)
+        host_flat = pool.flat
         for n in counts:
             dev_ids = rng.permutation(spec.num_blocks)[:n]
             host_ids = rng.permutation(pool.num_blocks)[:n]

@@ -12,7 +12,7 @@ import procs
 from conftest import SPECS
 from kvtier.device import SHM_DIR
 from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
-from kvtier.host import HostPool
+from kvtier.host import HEADER_SLOT_BYTES, HostPool
 from kvtier.spec import KVCacheSpec
 
 
@@ -32,7 +32,14 @@ def test_page_first_layout(spec: KVCacheSpec) -> None:
             chunk = raw[piece.offset_bytes : piece.offset_bytes + piece.size_bytes]
             assert torch.all(chunk == piece.layer * 10 + spec.parts.index(piece.part) + 1)
         assert int(pool.slab[2].max()) == 0 and int(pool.slab[4].max()) == 0
-        assert pool.block_address(3) == pool.base_address + 3 * spec.block_bytes
+        # Each block sits after a header slot: [slot | block] is one stored object.
+        assert pool.stride_bytes == HEADER_SLOT_BYTES + spec.block_bytes
+        assert pool.block_address(3) == pool.base_address + 3 * pool.stride_bytes + 64
+        assert pool.block_address(3) == pool.block(3).data_ptr()
+        assert torch.equal(pool.object_view(3)[HEADER_SLOT_BYTES:], pool.block(3))
+        assert pool.block_index(pool.block_address(4)) == 4
+        assert pool.block_index(pool.block_address(4) + 1) is None
+        assert pool.block_index(pool.base_address) is None
         mv = pool.memoryview(3)
         assert len(mv) == spec.block_bytes and mv[0] == 1
 

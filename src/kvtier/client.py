@@ -452,7 +452,7 @@ class Client:
             r.socket.close(linger=0)
             if r.process is not None and r.endpoint.startswith("ipc://"):
                 # A worker that was killed could not unlink its socket: its launcher does.
-                Path(r.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+                Path(r.endpoint[len("ipc://") :]).unlink(missing_ok=True)
         self._wake.close(linger=0)
         self.context.term()
         for path in self._cleanup_paths:

@@ -188,8 +188,8 @@ class CpuBlockCopier(BlockCopier):
         # Block-major order: consecutive pieces of one host block are adjacent in memory.
         dev_ptrs = base[None, :] + dev[:, None] * stride[None, :]
         host_ptrs = (
-            self.host_pool.base_address
-            + host[:, None] * self.host_pool.block_bytes
+            self.host_pool.block_address(0)
+            + host[:, None] * self.host_pool.stride_bytes
             + self._host_offsets[None, :]
         )
         sizes = np.broadcast_to(size[None, :], dev_ptrs.shape)

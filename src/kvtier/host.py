@@ -16,11 +16,19 @@ from kvtier.spec import KVCacheSpec, Part
 log = logging.getLogger(__name__)
 
 
+# Each block is preceded by a slot for its storage header, so that [header | block] -- exactly
+# one stored object -- is one contiguous range: a single buffer per object for Mooncake and
+# file I/O instead of two (measured: two-buffer gets over TCP ran at 0.6-0.8x).
+HEADER_SLOT_BYTES = 64
+
+
 class HostPool:
     """``num_blocks`` host blocks of ``spec.block_bytes`` each, in one slab.
 
     Page-first: host block i holds layer 0 K, layer 0 V, [layer 0 scales], layer 1 K, ...
-    contiguously, so one block is one contiguous range (one storage object, one DMA).
+    contiguously, so one block is one contiguous range (one storage object, one DMA). Blocks are
+    ``stride_bytes`` apart: each is preceded by a ``HEADER_SLOT_BYTES`` slot where storage
+    backends build the object header (``object_view``).
     The slab is allocated once and zeroed at construction (first touch of fresh memory runs at
     2-4 GB/s here, warm memory at 13-16), so no transfer ever pays for page faults.
 
@@ -42,7 +50,8 @@ class HostPool:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_bytes = spec.block_bytes
-        self.size_bytes = num_blocks * self.block_bytes
+        self.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
+        self.size_bytes = num_blocks * self.stride_bytes
         self._lock_fd: int | None = None
         self._path: Path | None = None
         self.pinned = False
@@ -63,8 +72,7 @@ class HostPool:
         else:
             flat = torch.empty(self.size_bytes, dtype=torch.uint8)
         flat.zero_()  # pre-touch: every page faulted in now
-        self.slab = flat.view(num_blocks, self.block_bytes)
-        self._init_checksums()
+        self._set_flat(flat)
         log.info(
             "host pool: %d blocks x %d bytes = %.2f GiB%s%s",
             num_blocks,
@@ -79,7 +87,7 @@ class HostPool:
         """Map a pool another process created with ``shared_name``."""
         _check_name(shared_name)
         path = SHM_DIR / f"{shared_name}.hostpool"
-        want = num_blocks * spec.block_bytes
+        want = num_blocks * (HEADER_SLOT_BYTES + spec.block_bytes)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -96,11 +104,20 @@ class HostPool:
             spec.block_bytes,
             want,
         )
+        pool.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
         pool._lock_fd, pool._path, pool.pinned = None, None, False
         flat = torch.from_file(str(path), shared=True, size=want, dtype=torch.uint8)
-        pool.slab = flat.view(num_blocks, spec.block_bytes)
-        pool._init_checksums()
+        pool._set_flat(flat)
         return pool
+
+    def _set_flat(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        # [num_blocks, block_bytes] views of the payloads, and of [header slot | payload].
+        self.slab = flat.as_strided(
+            (self.num_blocks, self.block_bytes), (self.stride_bytes, 1), HEADER_SLOT_BYTES
+        )
+        self.objects = flat.view(self.num_blocks, self.stride_bytes)
+        self._init_checksums()
 
     # ---- checksums --------------------------------------------------------------------------
     #
@@ -158,12 +175,28 @@ class HostPool:
         raw = self.block(block_id)[p.offset_bytes : p.offset_bytes + p.size_bytes]
         return raw.view(self.spec.torch_dtype(part)).view(self.spec.part_shape(part, 1)[1:])
 
+    def object_view(self, block_id: int) -> torch.Tensor:
+        """The header slot and the block: one stored object's bytes, contiguous."""
+        return self.objects[block_id]
+
     def block_address(self, block_id: int) -> int:
-        return self.slab.data_ptr() + block_id * self.block_bytes
+        return self.base_address + block_id * self.stride_bytes + HEADER_SLOT_BYTES
+
+    def block_index(self, address: int) -> int | None:
+        """The id of the block that starts at ``address``, or None."""
+        offset = address - self.base_address - HEADER_SLOT_BYTES
+        if (
+            offset < 0
+            or offset % self.stride_bytes
+            or offset // self.stride_bytes >= self.num_blocks
+        ):
+            return None
+        return offset // self.stride_bytes
 
     @property
     def base_address(self) -> int:
-        return self.slab.data_ptr()
+        """Start of the whole slab (header slots included): what zero-copy backends register."""
+        return self.flat.data_ptr()
 
     def memoryview(self, block_id: int) -> memoryview:
         """A writable buffer over one block, for file and socket I/O without copies."""
@@ -174,8 +207,10 @@ class HostPool:
     def close(self) -> None:
         """Release the slab; a pool that created a shared backing unlinks it."""
         if self.pinned and self._path is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
-        self.slab = torch.empty(0, dtype=torch.uint8).view(0, self.block_bytes)
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+        self.flat = torch.empty(0, dtype=torch.uint8)
+        self.slab = self.flat.view(0, self.block_bytes)
+        self.objects = self.flat.view(0, self.stride_bytes)
         if self._lock_fd is not None:
             if self._path is not None:
                 _unlink_quietly(self._path)

@@ -1,9 +1,9 @@
 """MooncakeStore: Mooncake Store as the distributed tier (zero-copy from the registered pool).
 
 Each object is the same 64-byte header + page-first block as on disk. The host pool is
-registered once, with a small registered header area beside it (one 64-byte slot per host
-block); puts gather [header slot, host block] and gets scatter into them with Mooncake's
-``*_multi_buffers`` batch calls, so payload bytes never pass through Python.
+registered once; every host block is preceded by a header slot in the pool, so [header | block]
+is one contiguous buffer and puts and gets are single-buffer ``batch_put_from`` /
+``batch_get_into`` calls: payload bytes never pass through Python.
 
 Mooncake's return codes are translated in one place, ``_classify``. Eviction by the store is an
 ordinary miss. An unreachable master is ``StorageUnavailable``: the port is probed with a timeout
@@ -151,10 +151,8 @@ def probe(address: str, timeout_s: float) -> None:
 
 @dataclass
 class _Registered:
-    base: int
-    end: int
-    block_bytes: int
-    headers: np.ndarray  # [num_blocks, HEADER_BYTES]: one header slot per host block, registered
+    pool: Any  # HostPool
+    objects: np.ndarray  # [num_blocks, stride]: header slot + block, as numpy
 
 
 class MooncakeStore(StorageBackend):
@@ -199,44 +197,39 @@ class MooncakeStore(StorageBackend):
     # ---- registration -----------------------------------------------------------------------
 
     def register_host_pool(self, pool) -> None:
+        """Register the pool's whole slab (header slots included) once for zero-copy I/O."""
         with self._lock:
-            if any(r.base == pool.base_address for r in self._regions):
+            if any(r.pool is pool for r in self._regions):
                 return
-            headers = np.zeros((pool.num_blocks, HEADER_BYTES), dtype=np.uint8)
-            for ptr, size in (
-                (pool.base_address, pool.size_bytes),
-                (headers.ctypes.data, headers.nbytes),
-            ):
-                rc = self._store.register_buffer(ptr, size)
-                if rc != 0:
-                    raise StorageError(f"mooncake register_buffer failed: {describe(rc)}")
-            end = pool.base_address + pool.size_bytes
-            self._regions.append(_Registered(pool.base_address, end, pool.block_bytes, headers))
+            rc = self._store.register_buffer(pool.base_address, pool.size_bytes)
+            if rc != 0:
+                raise StorageError(f"mooncake register_buffer failed: {describe(rc)}")
+            self._regions.append(_Registered(pool, pool.objects.numpy()))
 
     def unregister_host_pool(self, pool) -> None:
         with self._lock:
-            for region in [r for r in self._regions if r.base == pool.base_address]:
-                self._store.unregister_buffer(region.base)
-                self._store.unregister_buffer(region.headers.ctypes.data)
+            for region in [r for r in self._regions if r.pool is pool]:
+                self._store.unregister_buffer(pool.base_address)
                 self._regions.remove(region)
 
-    def _slots(self, host_blocks: Sequence[torch.Tensor]) -> list[tuple[np.ndarray, int, int]]:
-        """(header slot view, header address, block address) of each block."""
+    def _slots(self, host_blocks: Sequence[torch.Tensor]) -> list[tuple[np.ndarray, int]]:
+        """(header slot, object address) of each block: [header | block] is one object."""
         out = []
         region = self._regions[0] if self._regions else None
         for i, block in enumerate(host_blocks):
             ptr = block.data_ptr()
-            if region is None or not region.base <= ptr < region.end:
-                region = next((r for r in self._regions if r.base <= ptr < r.end), None)
-            if region is None or (ptr - region.base) % region.block_bytes:
-                raise StorageError(
-                    f"host block {i} is not a block of a registered HostPool: "
-                    "call register_host_pool(pool) first"
+            index = region.pool.block_index(ptr) if region is not None else None
+            if index is None:
+                region = next(
+                    (r for r in self._regions if r.pool.block_index(ptr) is not None), None
                 )
-            index = (ptr - region.base) // region.block_bytes
-            out.append(
-                (region.headers[index], region.headers.ctypes.data + index * HEADER_BYTES, ptr)
-            )
+                if region is None:
+                    raise StorageError(
+                        f"host block {i} is not a block of a registered HostPool: "
+                        "call register_host_pool(pool) first"
+                    )
+                index = region.pool.block_index(ptr)
+            out.append((region.objects[index, :HEADER_BYTES], ptr - HEADER_BYTES))
         return out
 
     # ---- contract ---------------------------------------------------------------------------
@@ -268,10 +261,10 @@ class MooncakeStore(StorageBackend):
                 slots[i][0].data.cast("B")[:] = header
 
         def transfer(chunk: range) -> list[int]:
-            return self._store.batch_put_from_multi_buffers(
+            return self._store.batch_put_from(
                 [keys[i] for i in chunk],
-                [[slots[i][1], slots[i][2]] for i in chunk],
-                [[HEADER_BYTES, self.payload_bytes]] * len(chunk),
+                [slots[i][1] for i in chunk],
+                [self.object_bytes] * len(chunk),
             )
 
         # Checksums of chunk k+1 are computed while chunk k is on the wire (GIL released).
@@ -303,10 +296,10 @@ class MooncakeStore(StorageBackend):
         self._guard()
 
         def transfer(chunk: range) -> list[int]:
-            return self._store.batch_get_into_multi_buffers(
+            return self._store.batch_get_into(
                 [keys[i] for i in chunk],
-                [[slots[i][1], slots[i][2]] for i in chunk],
-                [[HEADER_BYTES, self.payload_bytes]] * len(chunk),
+                [slots[i][1] for i in chunk],
+                [self.object_bytes] * len(chunk),
             )
 
         # Chunk k+1 is fetched while chunk k is verified.
@@ -385,8 +378,7 @@ class MooncakeStore(StorageBackend):
                 return
             self._closed = True
             for region in self._regions:
-                self._store.unregister_buffer(region.base)
-                self._store.unregister_buffer(region.headers.ctypes.data)
+                self._store.unregister_buffer(region.pool.base_address)
             self._regions.clear()
         self._transfers.shutdown(wait=True)
         self._store.close()
