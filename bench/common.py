@@ -69,3 +69,32 @@ def print_json_rows(rows: Sequence[dict[str, Any]]) -> None:
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def emit(
+    rows: Sequence[dict[str, Any]],
+    as_json: bool,
+    title: str,
+    columns: Sequence[tuple[str, str, str]],
+) -> None:
+    """Print the rows: one JSON object per line, or a title and a table."""
+    if as_json:
+        print_json_rows(rows)
+    else:
+        print(title)
+        print_table(rows, columns)
+
+
+def standalone(
+    name: str,
+    doc: str | None,
+    add_arguments: Callable,
+    report: Callable,
+    argv: Sequence[str] | None = None,
+) -> int:
+    """``python -m kvtier_bench.NAME``: the same options as ``kvtier bench NAME``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=doc)
+    add_arguments(parser)
+    return report(parser.parse_args(argv))

@@ -20,7 +20,7 @@ import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
 from kvtier.device import cache_name
-from kvtier_bench.common import gbps, interleaved_medians, print_json_rows, print_table, progress
+from kvtier_bench.common import emit, gbps, interleaved_medians, progress, standalone
 
 COLUMNS = [
     ("block_size", "block_size", "d"),
@@ -197,22 +197,15 @@ def _loop(cache: DeviceCache, pool: HostPool, dev_ids, host_ids, direction: str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench copy", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    return report(args)
+    return standalone("copy", __doc__, add_arguments, report, argv)
 
 
 def report(args: argparse.Namespace) -> int:
-    rows = run(args)
-    if args.json:
-        print_json_rows(rows)
-    else:
-        print(
-            f"kvtier bench copy ({args.device}, bfloat16, {args.heads} heads, head_dim "
-            f"{args.head_dim}, {args.layers} layers, K+V; median of {args.runs} runs)"
-        )
-        print_table(rows, COLUMNS)
+    title = (
+        f"kvtier bench copy ({args.device}, bfloat16, {args.heads} heads, head_dim "
+        f"{args.head_dim}, {args.layers} layers, K+V; median of {args.runs} runs)"
+    )
+    emit(run(args), args.json, title, COLUMNS)
     return 0
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvtier import DeviceCache, KVCacheSpec
 from kvtier.client import Client
 from kvtier.device import cache_name
-from kvtier_bench.common import print_json_rows, print_table, progress
+from kvtier_bench.common import emit, progress, standalone
 
 COLUMNS = [
     ("what", "round trip", "s"),
@@ -79,14 +79,12 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def report(args: argparse.Namespace) -> int:
     rows = run(args)
-    if args.json:
-        print_json_rows(rows)
-    else:
-        print(
-            f"kvtier bench latency ({args.ranks} ranks, {args.n} round trips each, "
-            f"1 block = {rows[0]['block_bytes'] >> 10} KiB)"
-        )
-        print_table(rows, COLUMNS)
+    title = (
+        f"kvtier bench latency ({args.ranks} ranks, {args.n} round trips each, "
+        f"1 block = {rows[0]['block_bytes'] >> 10} KiB)"
+    )
+    emit(rows, args.json, title, COLUMNS)
+    if not args.json:
         print(
             f"kvtier overhead above the raw round trip (p50): {rows[0]['overhead_p50_us']:.0f} us"
         )
@@ -94,9 +92,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench latency", description=__doc__)
-    add_arguments(p)
-    return report(p.parse_args(argv))
+    return standalone("latency", __doc__, add_arguments, report, argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from kvtier import HostPool, KVCacheSpec
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
 from kvtier.storage.format import payload_checksum
-from kvtier_bench.common import gbps, print_json_rows, print_table, progress
+from kvtier_bench.common import emit, gbps, progress, standalone
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -329,22 +329,16 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
 
 
 def report(args: argparse.Namespace) -> int:
-    rows = run(args)
-    if args.json:
-        print_json_rows(rows)
-    else:
-        print(
-            f"kvtier bench storage (median of {args.runs} runs; file fsync={args.fsync}, "
-            f"{args.io_threads} I/O threads; GB/s of payload)"
-        )
-        print_table(rows, COLUMNS)
+    title = (
+        f"kvtier bench storage (median of {args.runs} runs; file fsync={args.fsync}, "
+        f"{args.io_threads} I/O threads; GB/s of payload)"
+    )
+    emit(run(args), args.json, title, COLUMNS)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench storage", description=__doc__)
-    add_arguments(p)
-    return report(p.parse_args(argv))
+    return standalone("storage", __doc__, add_arguments, report, argv)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import uuid
 
 import torch
 
+from conftest import fill_random
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
 from kvtier.spec import KVCacheSpec
@@ -17,12 +18,7 @@ WSPEC = KVCacheSpec(
 FAST = {"worker_timeout_s": 3.0, "task_timeout_s": 20.0, "heartbeat_interval_s": 0.2}
 
 
-def fill(cache: DeviceCache, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for row in cache.tensors:
-        for tensor in row:
-            raw = tensor.view(torch.uint8)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+fill = fill_random
 
 
 def block(cache: DeviceCache, b: int) -> list[torch.Tensor]:
