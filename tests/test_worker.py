@@ -292,7 +292,13 @@ def test_in_process_worker_as_a_library_object(tmp_path) -> None:
             assert client.save(hashes(1), [5]).status is t.Status.OK
             assert client.load(hashes(1), [6]).blocks == [6]
             assert client.ping() < 1.0
-        assert same(block(worker.device_cache, 6), want)
+            assert same(block(worker.device_cache, 6), want)
+        # A client that only connected leaves the worker running; this one can connect again.
+        with Client.connect([cfg.endpoint_address], **FAST) as client:
+            assert client.lookup(hashes(1)) == 1
+            client.close(shutdown_workers=True)
+        worker._thread.join(10)
+        assert not worker._thread.is_alive()
     finally:
         worker.close()
     assert not Path(cfg.endpoint_address[len("ipc://") :]).exists()
@@ -402,6 +408,7 @@ def test_serve_with_the_old_engine_flags(tmp_path) -> None:
             assert client.save(hashes(2), [1, 2]).blocks == [1, 2]
             stats = client.control("stats").per_rank[0].data
             assert stats["tasks"]["save"]["tasks"] == 1
+            client.close(shutdown_workers=True)
         assert proc.wait(20) == 0
         err = proc.stderr.read()
         assert "rank0 INFO" in err and "save 1 -> ok, 2 blocks" in err  # rank in every line

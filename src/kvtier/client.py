@@ -404,14 +404,20 @@ class Client:
 
     # ---- shutdown ---------------------------------------------------------------------------
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Shut the workers down cleanly (they answer what they hold), then stop."""
+    def close(self, timeout_s: float = 30.0, shutdown_workers: bool | None = None) -> None:
+        """Stop. Workers this client launched are shut down cleanly (they answer what they
+        hold); workers it only connected to are left running unless ``shutdown_workers``."""
         if self._thread is None:
             return
+        if shutdown_workers is None:
+            shutdown_workers = any(r.process is not None for r in self._ranks)
         live = [
             r
             for r in self._ranks
-            if not r.lost and r.welcomed and (r.process is None or r.process.poll() is None)
+            if shutdown_workers
+            and not r.lost
+            and r.welcomed
+            and (r.process is None or r.process.poll() is None)
         ]
         self._closing = True
         if live:
