@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 REQUIRED_COPY_KEYS = {
     "block_size",
@@ -24,12 +27,57 @@ def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_verifies_every_piece() -> None:
+def test_demo_verifies_every_block_and_leaves_nothing_behind() -> None:
+    from kvtier.config import default_socket_dir
+
+    shm_before = set(Path("/dev/shm").glob("kvtier-demo*"))
+    tmp_before = set(Path(tempfile.gettempdir()).glob("kvtier-demo*"))
     out = kvtier("demo")
     assert out.returncode == 0, out.stderr
-    assert "integrity: 2048 of 2048 (block, layer, part) pieces verified" in out.stdout
-    data = json.loads(kvtier("demo", "--json", "--dtype", "block_wise_fp8").stdout)
-    assert data["pieces_verified"] == data["pieces_total"] == 128 * 8 * 4
+    assert "integrity:" in out.stdout and "prefill avoided" in out.stdout
+    line = next(x for x in out.stdout.splitlines() if "integrity:" in x)
+    verified, total = (int(x) for x in re.findall(r"\d+", line)[:2])
+    assert verified == total > 1000
+    assert "turn 6/6" in out.stderr  # progress while it runs
+    assert set(Path("/dev/shm").glob("kvtier-demo*")) == shm_before
+    assert set(Path(tempfile.gettempdir()).glob("kvtier-demo*")) == tmp_before
+    assert not list(default_socket_dir().glob("demo*"))
+    data = json.loads(
+        kvtier(
+            "demo",
+            "--json",
+            "--users",
+            "4",
+            "--turns",
+            "3",
+            "--backend",
+            "memory",
+            "--write-policy",
+            "write_back",
+        ).stdout
+    )
+    assert data["blocks_verified"] == data["blocks_checked"] > 0
+    assert data["requests"] == 12 and 0 < data["prefill_avoided"] < 1
+
+
+def test_bench_e2e_shows_each_tier_helps() -> None:
+    out = kvtier(
+        "bench",
+        "e2e",
+        "--json",
+        "--users",
+        "6",
+        "--turns",
+        "4",
+        "--device-blocks",
+        "64",
+        "--host-blocks",
+        "48",
+    )
+    assert out.returncode == 0, out.stderr
+    device_only, with_host, full = (json.loads(x) for x in out.stdout.splitlines())
+    assert device_only["host"] == device_only["storage"] == 0
+    assert full["prefill_avoided"] > with_host["prefill_avoided"] >= device_only["prefill_avoided"]
 
 
 def test_bench_copy_json_rows() -> None:
@@ -64,6 +112,6 @@ def test_bench_copy_table() -> None:
 
 
 def test_config_error_is_one_clear_line() -> None:
-    out = kvtier("demo", "--dtype", "int3")
+    out = kvtier("bench", "copy", "--block-sizes", "0", "--num-blocks", "4")
     assert out.returncode == 2
-    assert out.stderr.strip().startswith("kvtier: error: dtype: got 'int3'; allowed:")
+    assert out.stderr.strip().startswith("kvtier: error: block_size: must be a positive integer")

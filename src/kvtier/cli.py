@@ -7,97 +7,95 @@ import json
 import logging
 import os
 import sys
-import time
-import uuid
 from collections.abc import Sequence
 
-import numpy as np
-import torch
-
-from kvtier.copier import make_copier
-from kvtier.device import DeviceCache, cache_name
 from kvtier.errors import KvtierError
-from kvtier.host import HostPool
 from kvtier.spec import KVCacheSpec
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """A swap round trip through a shared-memory device cache and a host pool, verified."""
-    spec = KVCacheSpec(
-        num_layers=args.layers,
-        num_blocks=args.device_blocks,
-        num_kv_heads=8,
+    """Serve a multi-turn chat workload through the index, the client and 2 worker ranks."""
+    from kvtier.demo import Workload, run_demo
+
+    w = Workload(
+        users=args.users,
+        turns=args.turns,
+        device_blocks=args.device_blocks,
+        host_blocks=args.host_blocks,
+        seed=args.seed,
         block_size=args.block_size,
-        head_dim=128,
-        dtype=args.dtype,
     )
-    rng = np.random.default_rng(args.seed)
-    name = cache_name(f"demo{uuid.uuid4().hex[:8]}", 0)
-    n = min(args.blocks, spec.num_blocks, args.host_blocks)
-    with DeviceCache.create(spec, name) as cache, HostPool(spec, args.host_blocks) as pool:
-        gen = torch.Generator().manual_seed(args.seed)
-        for row in cache.tensors:
-            for t in row:
-                t.view(torch.uint8).copy_(
-                    torch.randint(
-                        0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen
-                    )
-                )
-        copier = make_copier(cache, pool)
-        dev_ids = rng.permutation(spec.num_blocks)[:n]
-        host_ids = rng.permutation(pool.num_blocks)[:n]
-        expected = [[t[torch.from_numpy(dev_ids)].clone() for t in row] for row in cache.tensors]
-        t0 = time.perf_counter()
-        moved_out = copier.swap_out(dev_ids, host_ids)
-        t_out = time.perf_counter() - t0
-        for row in cache.tensors:  # the engine reuses the device blocks for something else
-            for t in row:
-                t.view(torch.uint8)[torch.from_numpy(dev_ids)] = 0xA5
-        t0 = time.perf_counter()
-        moved_in = copier.swap_in(host_ids, dev_ids)
-        t_in = time.perf_counter() - t0
-        verified = sum(
-            int(
-                torch.equal(t[int(d)].view(torch.uint8), expected[layer][part][i].view(torch.uint8))
-            )
-            for layer, row in enumerate(cache.tensors)
-            for part, t in enumerate(row)
-            for i, d in enumerate(dev_ids.tolist())
+    if not args.json:
+        print(
+            f"kvtier demo: {args.users} users x {args.turns} turns sharing a "
+            f"{w.system_tokens}-token system prompt; {args.ranks} worker ranks; device cache "
+            f"{w.device_blocks} blocks, host {w.host_blocks} blocks, storage: {args.backend}",
+            file=sys.stderr,
+            flush=True,
         )
-        pieces = n * spec.total_layers * len(spec.parts)
-        copier.close()
-    result = {
-        "spec": spec.to_dict(),
-        "fingerprint": spec.fingerprint,
-        "blocks": n,
-        "block_bytes": spec.block_bytes,
-        "swap_out_bytes": moved_out,
-        "swap_in_bytes": moved_in,
-        "swap_out_gbps": moved_out / t_out / 1e9,
-        "swap_in_gbps": moved_in / t_in / 1e9,
-        "pieces_verified": verified,
-        "pieces_total": pieces,
-    }
+    with _mooncake_for(args) as mooncake:
+        result = run_demo(
+            w,
+            args.backend,
+            args.ranks,
+            args.keep_store,
+            mooncake,
+            args.write_policy,
+            progress=not args.json,
+        )
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"kvtier demo: swap round trip through shared-memory device cache {name}")
-        print(
-            f"  layout   {spec.num_layers} layers x K,V x {spec.num_kv_heads} heads x "
-            f"{spec.block_size} tokens x {spec.head_dim} {spec.dtype.value} "
-            f"= {spec.block_bytes >> 10} KiB per block (fingerprint {spec.fingerprint})"
+        _print_demo(result, w.block_size)
+    return 0 if result["blocks_verified"] == result["blocks_checked"] else 1
+
+
+def _mooncake_for(args: argparse.Namespace):
+    import contextlib
+
+    if args.backend != "mooncake":
+        return contextlib.nullcontext(None)
+    if args.mooncake_master:
+        return contextlib.nullcontext(
+            {"master_address": args.mooncake_master, "metadata_server": args.mooncake_metadata}
         )
-        print(
-            f"  swap_out {n} random device blocks -> host: {moved_out / 2**20:.1f} MiB "
-            f"in {t_out * 1e3:.2f} ms ({result['swap_out_gbps']:.2f} GB/s)"
-        )
-        print("  scribbled over the device blocks")
-        print(
-            f"  swap_in  host -> the same device blocks: {moved_in / 2**20:.1f} MiB "
-            f"in {t_in * 1e3:.2f} ms ({result['swap_in_gbps']:.2f} GB/s)"
-        )
-        print(f"  integrity: {verified} of {pieces} (block, layer, part) pieces verified")
-    return 0 if verified == pieces else 1
+
+    @contextlib.contextmanager
+    def local():
+        from kvtier.storage.mooncake import LocalMaster, LocalStoreNode
+
+        with LocalMaster() as master, LocalStoreNode(master, 1 << 30):
+            yield {
+                "master_address": master.master_address,
+                "metadata_server": master.metadata_server,
+                "global_segment_size": 0,
+            }
+
+    return local()
+
+
+def _print_demo(r: dict, block_size: int) -> None:
+    tokens = r["tokens"]
+    total = max(1, r["prefill_tokens"])
+    print(
+        f"\n{r['requests']} requests, {r['prefill_tokens']:,} prefill tokens, "
+        f"{r['ranks']} ranks, {r['wall_s']:.1f} s"
+    )
+    print(f"  {'served from':<16}{'tokens':>10}{'share':>9}")
+    for tier, label in (
+        ("device", "device cache"),
+        ("host", "host pool"),
+        ("storage", "storage"),
+        ("compute", "recomputed"),
+    ):
+        print(f"  {label:<16}{tokens[tier]:>10,}{tokens[tier] / total:>9.1%}")
+    print(f"  prefill avoided: {r['prefill_avoided']:.1%}")
+    print(f"  {'direction':<16}{'MiB':>10}{'GB/s':>9}")
+    for kind in ("swap_out", "swap_in", "save", "load", "save_host"):
+        if kind in r["bytes"]:
+            print(f"  {kind:<16}{r['bytes'][kind] / 2**20:>10.1f}{r['gbps'].get(kind, 0):>9.2f}")
+    print(f"  time in kvtier per request: {r['kvtier_ms_per_request']:.2f} ms")
+    print(f"  integrity: {r['blocks_verified']} of {r['blocks_checked']} blocks verified")
 
 
 WRITE_POLICIES = ("write_through", "write_back")
@@ -161,13 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a verified swap round trip and print what it did")
-    demo.add_argument("--layers", type=int, default=8)
+    demo = sub.add_parser("demo", help="serve a multi-turn chat workload, verifying every block")
+    demo.add_argument("--ranks", type=int, default=2)
+    demo.add_argument("--backend", default="file", choices=["file", "mooncake", "memory"])
+    demo.add_argument("--mooncake-master", help="host:port (default: start one on loopback)")
+    demo.add_argument("--mooncake-metadata", help="metadata server URL of that master")
+    demo.add_argument("--users", type=int, default=16)
+    demo.add_argument("--turns", type=int, default=6)
     demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--dtype", default="bfloat16")
-    demo.add_argument("--device-blocks", type=int, default=512)
+    demo.add_argument("--device-blocks", type=int, default=160)
     demo.add_argument("--host-blocks", type=int, default=256)
-    demo.add_argument("--blocks", type=int, default=128, help="blocks to swap out and back")
+    demo.add_argument(
+        "--write-policy", default="write_through", choices=["write_through", "write_back"]
+    )
+    demo.add_argument("--keep-store", metavar="DIR", help="keep the file store in DIR")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_demo)
@@ -212,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, each beside the limit it is measured against")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from kvtier_bench import copy as copy_bench
+    from kvtier_bench import e2e as e2e_bench
     from kvtier_bench import latency as latency_bench
     from kvtier_bench import storage as storage_bench
 
@@ -221,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench_sub.add_parser("storage", help="storage save/load GB/s vs raw disk / raw Mooncake")
     storage_bench.add_arguments(b)
     b.set_defaults(func=_bench, bench_report=storage_bench.report)
+    b = bench_sub.add_parser("e2e", help="the chat workload: device-only vs +host vs kvtier")
+    e2e_bench.add_arguments(b)
+    b.set_defaults(func=_bench, bench_report=e2e_bench.report)
     b = bench_sub.add_parser("latency", help="1-block swap round trip vs raw ZeroMQ round trip")
     latency_bench.add_arguments(b)
     b.set_defaults(func=_bench, bench_report=latency_bench.report)

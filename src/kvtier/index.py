@@ -10,8 +10,9 @@ loads, reports results back (``apply_load``, ``apply_save``...), computes the re
 
 Policies: device and host blocks are reused least-recently-used first among blocks no running
 request holds (a reference count protects the others). An evicted device block goes to host
-unless host or storage already has it; an evicted host block is saved to storage first under
-``write_back`` (``write_through`` saves every block when its request finishes instead).
+unless host has it, or storage has it and host has no free block; an evicted host block is
+saved to storage first under ``write_back`` (``write_through`` saves every block when its
+request finishes instead).
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class CacheIndex:
         device, victim_hash = self.device.cached.popitem(last=False)
         victim = self.blocks[victim_hash]
         victim.device = None
-        if victim.host is None and not victim.stored and self.use_host:
+        # Keep a host copy unless storage has it already and host has no free block left.
+        if victim.host is None and self.use_host and (not victim.stored or self.host.free):
             host = self._allocate_host(plan)
             if host is not None:  # swap the victim out to host before its block is reused
                 victim.host = host
