@@ -414,3 +414,33 @@ def test_serve_with_the_old_engine_flags(tmp_path) -> None:
         assert "rank0 INFO" in err and "save 1 -> ok, 2 blocks" in err  # rank in every line
     finally:
         proc.kill()
+
+
+def test_prometheus_metrics_are_scraped_over_loopback(tmp_path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with engine(tmp_path, world_size=1, metrics_port=port) as (client, _):
+        client.swap_out([1, 2], [0, 1])
+        client.save(hashes(2), [1, 2])
+        client.load(hashes(2), [3, 4])
+        client.submit(t.SwapOut(0, [999], [0])).result(10)  # an error
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        text = text.decode()
+    want = [
+        'kvtier_tasks_total{kind="swap_out",rank="0",status="ok"} 1.0',
+        'kvtier_tasks_total{kind="swap_out",rank="0",status="error"} 1.0',
+        'kvtier_tasks_total{kind="load",rank="0",status="ok"} 1.0',
+        'kvtier_task_bytes_count{kind="save",rank="0"} 1.0',
+        'kvtier_task_seconds_bucket{kind="swap_out",le="0.5",rank="0"} 2.0',
+        'kvtier_errors_total{kind="InvalidBlockIds",rank="0"} 1.0',
+        'kvtier_storage_blocks_total{rank="0",result="hit"} 2.0',
+        'kvtier_storage_puts_total{rank="0",result="ok"} 2.0',
+        'kvtier_queue_depth{direction="save",rank="0"} 0.0',
+        'kvtier_worker_state{rank="0",state="running"} 1.0',
+    ]
+    for line in want:
+        assert line in text, line

@@ -56,6 +56,7 @@ class WorkerConfig:
     endpoint: str = ""  # default: ipc:// socket in a 0700 directory
     engine_timeout_s: float = ENGINE_TIMEOUT_S
     free_host_pool_on_sleep: bool = False
+    metrics_port: int | None = None  # Prometheus exporter on 127.0.0.1 (0: any free port)
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -84,6 +85,8 @@ class WorkerConfig:
                 "must be ipc://PATH or tcp on loopback "
                 f"(tcp://127.0.0.1:PORT), got {self.endpoint!r}",
             )
+        if self.metrics_port is not None:
+            _int_at_least("metrics_port", self.metrics_port, 0)
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError("device", f"got {self.device!r}; allowed: cpu, cuda, cuda:N")
 

@@ -70,6 +70,7 @@ class Worker:
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = False
+        self.metrics = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -107,6 +108,15 @@ class Worker:
         self.results = self.context.socket(zmq.PULL)
         self.results.bind(self._results_address)
         self.push = ThreadLocalPush(self.context, self._results_address)
+        self.metrics = None
+        if cfg.metrics_port is not None:
+            from kvtier.metrics import WorkerMetrics
+
+            self.metrics = WorkerMetrics(cfg.rank, self.stats)
+            self.metrics_port = self.metrics.serve(cfg.metrics_port)
+            log.info(
+                "rank %d: metrics on http://127.0.0.1:%d/metrics", self.rank, self.metrics_port
+            )
         self._started = True
         self._last_heard = time.monotonic()
         log.info(
@@ -326,6 +336,8 @@ class Worker:
         seconds = time.perf_counter() - start
         kind = t.task_name(task)
         direction = t.DIRECTIONS[type(task)]
+        if self.metrics is not None:
+            self.metrics.task(kind, outcome.status.value, outcome.bytes_moved, seconds)
         with self._counter_lock:
             c = self._counters[kind]
             c["tasks"] += 1
@@ -369,6 +381,8 @@ class Worker:
     def _count_error(self, kind: str) -> None:
         with self._counter_lock:
             self._errors[kind] += 1
+        if self.metrics is not None:
+            self.metrics.error(kind)
 
     # ---- control ----------------------------------------------------------------------------
 
@@ -436,6 +450,8 @@ class Worker:
         self.results.close(linger=0)
         self.router.close(linger=1000)
         self.context.term()
+        if self.metrics is not None:
+            self.metrics.close()
         self._release()
         log.info("rank %d: stopped", self.rank)
 

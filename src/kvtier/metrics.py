@@ -1,0 +1,126 @@
+"""Prometheus metrics of one worker, served on an optional loopback port.
+
+Stable names (every series carries ``rank``):
+
+- ``kvtier_tasks_total{kind,status}`` — tasks answered, by task kind and status
+- ``kvtier_task_bytes{kind}`` — histogram of bytes moved per task
+- ``kvtier_task_seconds{kind}`` — histogram of task durations
+- ``kvtier_errors_total{kind}`` — errors by kind (malformed, InvalidBlockIds, internal, ...)
+- ``kvtier_storage_blocks_total{result}`` — storage reads: hit, miss, corrupt
+- ``kvtier_storage_puts_total{result}`` — storage writes: ok, failed
+- ``kvtier_queue_depth{direction}`` — tasks waiting per executor
+- ``kvtier_worker_state{state}`` — 1 for the current state (running, paused, sleeping, stopping)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))  # 4 KiB .. 8 GiB
+SECONDS_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+STATES = ("running", "paused", "sleeping", "stopping")
+
+
+class WorkerMetrics:
+    """Counters fed by the worker; gauges read from it at scrape time."""
+
+    def __init__(self, rank: int, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.rank = str(rank)
+        self.registry = CollectorRegistry()
+        self._tasks = Counter(
+            "kvtier_tasks", "Tasks answered", ["rank", "kind", "status"], registry=self.registry
+        )
+        self._bytes = Histogram(
+            "kvtier_task_bytes",
+            "Bytes moved per task",
+            ["rank", "kind"],
+            buckets=BYTES_BUCKETS,
+            registry=self.registry,
+        )
+        self._seconds = Histogram(
+            "kvtier_task_seconds",
+            "Task duration",
+            ["rank", "kind"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            "kvtier_errors", "Errors by kind", ["rank", "kind"], registry=self.registry
+        )
+        self.registry.register(_Snapshot(self.rank, snapshot))
+        self._server = None
+
+    def task(self, kind: str, status: str, nbytes: int, seconds: float) -> None:
+        self._tasks.labels(self.rank, kind, status).inc()
+        self._bytes.labels(self.rank, kind).observe(nbytes)
+        self._seconds.labels(self.rank, kind).observe(seconds)
+
+    def error(self, kind: str) -> None:
+        self._errors.labels(self.rank, kind).inc()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the HTTP exporter; returns the port (useful with port 0)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _Snapshot:
+    """Values read from the worker when Prometheus scrapes."""
+
+    def __init__(self, rank: str, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.rank, self.snapshot = rank, snapshot
+
+    def collect(self):
+        s = self.snapshot()
+        blocks = CounterMetricFamily(
+            "kvtier_storage_blocks", "Storage block reads", labels=["rank", "result"]
+        )
+        storage = s["storage"]
+        for result, key in (("hit", "hits"), ("miss", "misses"), ("corrupt", "corrupt")):
+            blocks.add_metric([self.rank, result], storage.get(key, 0))
+        yield blocks
+        puts = CounterMetricFamily(
+            "kvtier_storage_puts", "Storage block writes", labels=["rank", "result"]
+        )
+        puts.add_metric([self.rank, "ok"], storage.get("puts", 0))
+        puts.add_metric([self.rank, "failed"], storage.get("put_failures", 0))
+        yield puts
+        depth = GaugeMetricFamily(
+            "kvtier_queue_depth", "Tasks waiting per executor", labels=["rank", "direction"]
+        )
+        for direction, n in s["queue_depths"].items():
+            depth.add_metric([self.rank, direction], n)
+        yield depth
+        state = GaugeMetricFamily(
+            "kvtier_worker_state", "1 for the current state", labels=["rank", "state"]
+        )
+        for name in STATES:
+            state.add_metric([self.rank, name], 1.0 if s["state"] == name else 0.0)
+        yield state
