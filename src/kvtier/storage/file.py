@@ -58,8 +58,9 @@ FANOUT_DIRS = 256
 RESCAN_INTERVAL_S = 5.0
 # A read refreshes an object's mtime (its LRU recency) only when it is older than this.
 RECENCY_GRANULARITY_S = 2.0
-# Batches at least this large are spread over the I/O threads; smaller ones run inline.
-PARALLEL_MIN_KEYS = 2
+# Batches at least this large are spread over the I/O threads; smaller ones run inline (thread
+# hand-offs cost milliseconds on a busy 2-core machine: measured 17 ms vs 0.8 ms for 8 x 64 KiB).
+PARALLEL_MIN_BYTES = 16 << 20
 
 
 class FsyncPolicy(str, Enum):
@@ -373,7 +374,7 @@ class FileStore(StorageBackend):
     def _map(self, fn, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
         """Run ``fn(i, key, block)`` for every key; one task per I/O thread, not per key."""
         n = len(keys)
-        if n < PARALLEL_MIN_KEYS:
+        if n < 2 or n * self.object_bytes < PARALLEL_MIN_BYTES:
             return [fn(i, k, b) for i, (k, b) in enumerate(zip(keys, blocks))]
         results: list[bool] = [False] * n
 
