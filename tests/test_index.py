@@ -134,6 +134,7 @@ def test_multi_turn_reuse_across_tiers() -> None:
     assert first.count(Tier.COMPUTE) == 5 and index.finish("a") == []
     again = index.plan("b", tokens_for(0, 1, 4))  # same 4-block prefix, new last block
     assert [s.value for s in again.sources] == ["device"] * 4 + ["compute"]
+    assert again.tokens_to_compute == BLOCK
     index.finish("b")
     other = index.plan("c", tokens_for(1, 0, 8))  # needs 6 blocks: evicts to host
     assert [e[0] for e in other.evictions] == ["swap_out"] * 4

@@ -71,6 +71,7 @@ class Plan:
     request_id: str
     hashes: list[bytes]
     num_tokens: int
+    block_size: int
     block_table: list[int]  # device block of every full block of the request
     sources: list[Tier]  # where each full block comes from
     # Evictions, in the order they must run: ("save_host", hash, host) writes a host block back
@@ -81,6 +82,12 @@ class Plan:
 
     def count(self, tier: Tier) -> int:
         return sum(1 for s in self.sources if s is tier)
+
+    @property
+    def tokens_to_compute(self) -> int:
+        """Tokens the engine must compute: the blocks not reused, and the partial tail."""
+        reused = len(self.sources) - self.count(Tier.COMPUTE)
+        return self.num_tokens - reused * self.block_size
 
     @property
     def compute_blocks(self) -> list[int]:
@@ -120,7 +127,7 @@ class CacheIndex:
             raise ConfigError("request_id", f"{request_id!r} is already running")
         hashes = block_hashes(list(token_ids), self.block_size)
         self._check_room(request_id, hashes)  # before anything changes: a plan never half-fails
-        plan = Plan(request_id, hashes, len(token_ids), [], [])
+        plan = Plan(request_id, hashes, len(token_ids), self.block_size, [], [])
         reusable = True  # a prefix: after the first block to compute, everything is computed
         for h in hashes:
             state = self.blocks.setdefault(h, BlockState(h))
