@@ -42,13 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
-    w = Workload(
-        users=args.users,
-        turns=args.turns,
-        device_blocks=args.device_blocks,
-        host_blocks=args.host_blocks,
-        seed=args.seed,
-    )
+    w = Workload.from_args(args)
     rows = []
     for name, use_host, use_storage in CONFIGS:
         progress(f"{name} ...")

@@ -140,6 +140,22 @@ static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     return 0;
 }
 
+/* The three int64 arrays of a piece list; on failure nothing stays acquired. */
+static int get_piece_buffers(PyObject *dst_obj, PyObject *src_obj, PyObject *size_obj,
+                             Py_buffer *dst, Py_buffer *src, Py_buffer *size) {
+    if (get_int64_buffer(dst_obj, dst, "dst_ptrs") < 0) return -1;
+    if (get_int64_buffer(src_obj, src, "src_ptrs") < 0) {
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    if (get_int64_buffer(size_obj, size, "sizes") < 0) {
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *copy_pieces(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *src_obj, *size_obj;
     int num_threads;
@@ -147,16 +163,7 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer dst, src, size;
-    if (get_int64_buffer(dst_obj, &dst, "dst_ptrs") < 0) return NULL;
-    if (get_int64_buffer(src_obj, &src, "src_ptrs") < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (get_int64_buffer(size_obj, &size, "sizes") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
+    if (get_piece_buffers(dst_obj, src_obj, size_obj, &dst, &src, &size) < 0) return NULL;
     Py_ssize_t n = dst.len / 8;
     if (src.len / 8 != n || size.len / 8 != n) {
         PyErr_SetString(PyExc_ValueError, "dst_ptrs, src_ptrs and sizes differ in length");
@@ -232,16 +239,7 @@ static PyObject *copy_blocks_hashed(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer dst, src, size, hashes;
-    if (get_int64_buffer(dst_obj, &dst, "dst_ptrs") < 0) return NULL;
-    if (get_int64_buffer(src_obj, &src, "src_ptrs") < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (get_int64_buffer(size_obj, &size, "sizes") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
+    if (get_piece_buffers(dst_obj, src_obj, size_obj, &dst, &src, &size) < 0) return NULL;
     if (PyObject_GetBuffer(hash_obj, &hashes, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);

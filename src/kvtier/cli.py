@@ -17,14 +17,7 @@ def _demo(args: argparse.Namespace) -> int:
     """Serve a multi-turn chat workload through the index, the client and 2 worker ranks."""
     from kvtier.demo import Workload, run_demo
 
-    w = Workload(
-        users=args.users,
-        turns=args.turns,
-        device_blocks=args.device_blocks,
-        host_blocks=args.host_blocks,
-        seed=args.seed,
-        block_size=args.block_size,
-    )
+    w = Workload.from_args(args)
     if not args.json:
         print(
             f"kvtier demo: {args.users} users x {args.turns} turns sharing a "

@@ -43,6 +43,12 @@ class Workload:
     host_blocks: int = 256
     seed: int = 0
 
+    @classmethod
+    def from_args(cls, args: Any) -> Workload:
+        """From parsed CLI options (users, turns, device_blocks, host_blocks, seed, ...)."""
+        names = ("users", "turns", "device_blocks", "host_blocks", "seed", "block_size")
+        return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
     def spec(self) -> KVCacheSpec:
         return KVCacheSpec(
             num_layers=self.layers,
