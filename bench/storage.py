@@ -261,7 +261,7 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
     """remote: objects live in a separate store-node process, reached over TCP loopback (the
     cluster shape: workers are pure clients). local: in this process's own segment (a memcpy:
     the worst case for the relative cost of checksums)."""
-    from kvtier.storage.mooncake import LocalMaster, LocalStoreNode
+    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 
     name = "mooncake" if remote else "mooncake-local"
     master = node = None

@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 REQUIRED_COPY_KEYS = {
     "block_size",
     "num_blocks",
@@ -58,6 +60,17 @@ def test_demo_verifies_every_block_and_leaves_nothing_behind() -> None:
     )
     assert data["blocks_verified"] == data["blocks_checked"] > 0
     assert data["requests"] == 12 and 0 < data["prefill_avoided"] < 1
+
+
+def test_demo_on_mooncake_with_a_local_master_and_store_node() -> None:
+    pytest.importorskip("mooncake.store", exc_type=ImportError)
+    out = kvtier("demo", "--json", "--backend", "mooncake", "--users", "3", "--turns", "2",
+                 "--device-blocks", "48", "--host-blocks", "0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["backend"] == "mooncake"
+    assert data["blocks_verified"] == data["blocks_checked"] > 0
+    assert data["tokens"]["storage"] > 0  # blocks really came back from the store node
 
 
 def test_bench_e2e_shows_each_tier_helps() -> None:

@@ -239,7 +239,7 @@ def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
         master = None
     else:
         pytest.importorskip("mooncake.store", exc_type=ImportError)
-        from kvtier.storage.mooncake import LocalMaster
+        from kvtier.storage.mooncake_local import LocalMaster
 
         master = LocalMaster().start()
         storage = master.config(global_segment_size=64 << 20, local_buffer_size=16 << 20)

@@ -18,7 +18,8 @@ mooncake_store = pytest.importorskip(
 )
 
 from kvtier.storage import make_backend  # noqa: E402
-from kvtier.storage.mooncake import LocalMaster, MooncakeConfig, MooncakeStore  # noqa: E402
+from kvtier.storage.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402
+from kvtier.storage.mooncake_local import LocalMaster  # noqa: E402
 
 SMALL = {"global_segment_size": 128 << 20, "local_buffer_size": 32 << 20}
 

@@ -55,7 +55,7 @@ def _mooncake_for(args: argparse.Namespace):
 
     @contextlib.contextmanager
     def local():
-        from kvtier.storage.mooncake import LocalMaster, LocalStoreNode
+        from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 
         with LocalMaster() as master, LocalStoreNode(master, 1 << 30):
             yield {
