@@ -275,9 +275,15 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
     else:
         master = LocalMaster().start()
         config = master.config()
-        if remote:
+    try:  # whatever fails to start, stop what did
+        if master is not None and remote:
             node = LocalStoreNode(master, segment).start()
-    store = make_backend(spec, {**config, "global_segment_size": 0 if remote else segment})
+        store = make_backend(spec, {**config, "global_segment_size": 0 if remote else segment})
+    except BaseException:
+        for started in (node, master):
+            if started is not None:
+                started.stop()
+        raise
     store.register_host_pool(pool)
     client = store._store  # the same client, for the raw calls
     blocks = [pool.block(i) for i in range(n)]
