@@ -57,6 +57,25 @@ def writer(root: str, iteration: int, ready_fd: int) -> None:
     os._exit(0)
 
 
+def run_iterations(root, iterations: int, seed: int, timeout_s: float) -> list[dict]:
+    """Run this script in a fresh interpreter (no threads before fork); its per-kill rows."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    out = subprocess.run(
+        [sys.executable, str(here / "crash_saver.py"), str(root), str(iterations), str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=here,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == iterations
+    return rows
+
+
 def main() -> int:
     root, iterations, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)

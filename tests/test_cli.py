@@ -64,8 +64,20 @@ def test_demo_verifies_every_block_and_leaves_nothing_behind() -> None:
 
 def test_demo_on_mooncake_with_a_local_master_and_store_node() -> None:
     pytest.importorskip("mooncake.store", exc_type=ImportError)
-    out = kvtier("demo", "--json", "--backend", "mooncake", "--users", "3", "--turns", "2",
-                 "--device-blocks", "48", "--host-blocks", "0")
+    out = kvtier(
+        "demo",
+        "--json",
+        "--backend",
+        "mooncake",
+        "--users",
+        "3",
+        "--turns",
+        "2",
+        "--device-blocks",
+        "48",
+        "--host-blocks",
+        "0",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     assert data["backend"] == "mooncake"

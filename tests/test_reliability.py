@@ -6,7 +6,6 @@ RELIABILITY.md lists them. Loopback only, bounded in time; the slowest cases are
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -25,6 +24,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crash_saver import run_iterations
 from kvtier import tasks as t
 from kvtier.client import Client
 from kvtier.errors import WorkerLost
@@ -325,16 +325,7 @@ def test_corruption_through_the_wrapper_on_every_backend(tmp_path, figures) -> N
 
 @pytest.mark.slow
 def test_sigkill_during_saves_50_times(tmp_path, figures) -> None:
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "crash_saver.py"), str(tmp_path), "50", "7"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=TESTS,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(rows) == 50
+    rows = run_iterations(tmp_path, 50, seed=7, timeout_s=600)
     assert all(r["visible"] == r["whole"] and r["prefix_ok"] and r["tmp_left"] == 0 for r in rows)
     figures["kills"] = sum(r["killed"] for r in rows)
     figures["visible_objects_checked"] = sum(r["visible"] for r in rows)

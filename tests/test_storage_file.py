@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from crash_saver import run_iterations
 from kvtier.errors import ConfigError
 from kvtier.host import HostPool
 from kvtier.storage import make_backend
@@ -139,16 +139,7 @@ def test_default_root_is_under_the_user_cache(monkeypatch, tmp_path) -> None:
 
 
 def test_sigkill_during_large_saves_never_leaves_a_visible_partial_object(tmp_path) -> None:
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "crash_saver.py"), str(tmp_path), "24", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=TESTS,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(rows) == 24
+    rows = run_iterations(tmp_path, 24, seed=1, timeout_s=300)
     for row in rows:
         assert row["visible"] == row["whole"], row  # every visible object is whole and right
         assert row["prefix_ok"], row
