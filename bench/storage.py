@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from kvtier import HostPool, KVCacheSpec
+from kvtier.checksum import payload_checksum
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
-from kvtier.storage.format import payload_checksum
 from kvtier_bench.common import emit, gbps, progress, standalone
 
 COLUMNS = [

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 import torch
 
-from kvtier.device import SHM_DIR, DeviceCache, cache_name
+from kvtier.device import DeviceCache, cache_name
+from kvtier.shm import SHM_DIR
 from kvtier.spec import KVCacheSpec
+
+# The test process hosts Mooncake clients in process: it is the edge that sets what Mooncake
+# reads from the environment (kvtier serve and the CLI do the same for their processes).
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 SPECS = {
     "bf16": KVCacheSpec(num_layers=3, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64),

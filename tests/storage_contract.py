@@ -17,12 +17,13 @@ import pytest
 import torch
 
 import procs
+from kvtier.checksum import payload_checksum
 from kvtier.errors import StorageError
 from kvtier.host import HostPool
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.format import HEADER_BYTES, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, encode_header
 
 # fp8 with scales: every backend must carry every part.
 CONTRACT_SPEC = KVCacheSpec(

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 import procs
 from conftest import SPECS, block_bytes_of, fill_random
+from kvtier.checksum import payload_checksum
 from kvtier.copier import CpuBlockCopier, TorchBlockCopier, make_copier
 from kvtier.device import DeviceCache, cache_name
-from kvtier.errors import DeviceCacheDetached, InvalidBlockIds
+from kvtier.errors import DeviceCacheDetached, InvalidBlockIds, LayoutMismatch
 from kvtier.host import HostPool
 from kvtier.spec import KVCacheSpec
-from kvtier.storage.format import payload_checksum
 
 COPIERS = {"native": CpuBlockCopier, "torch": TorchBlockCopier}
 
@@ -135,7 +135,7 @@ def test_bad_swap_in_input(name: str) -> None:
 
 def test_copier_refuses_mismatched_pool(name: str) -> None:
     cache, pool = DeviceCache.create(SPECS["bf16"], name), HostPool(SPECS["fp16"], 2)
-    with cache, pool, pytest.raises(InvalidBlockIds, match="different specs"):
+    with cache, pool, pytest.raises(LayoutMismatch, match="different specs"):
         make_copier(cache, pool)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import uuid
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ import torch
 
 import procs
 from conftest import SPECS, block_bytes_of, fill_random
-from kvtier.device import SHM_DIR, CacheMode, DeviceCache
+from kvtier.device import CacheMode, DeviceCache, cache_name
 from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
+from kvtier.shm import SHM_DIR, reclaim_orphans
 from kvtier.spec import KVCacheSpec, Part
 
 SPAWN = mp.get_context("spawn")
@@ -76,11 +79,39 @@ def test_name_left_by_crashed_owner_is_reclaimed(name: str, caplog) -> None:
     assert (SHM_DIR / f"{name}.kvcache").exists()
     with pytest.raises(DeviceCacheError, match="crashed owner"):
         DeviceCache.attach(spec, name)
-    with caplog.at_level(logging.WARNING, logger="kvtier.device"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.shm"):
         cache = DeviceCache.create(spec, name)
-    reclaim = [r for r in caplog.records if "reclaiming" in r.getMessage()]
+    reclaim = [r for r in caplog.records if "died" in r.getMessage()]
     assert len(reclaim) == 1 and name in reclaim[0].getMessage()
     cache.close()
+
+
+def test_any_dead_owners_file_is_reclaimed_at_the_next_start(name: str) -> None:
+    """Not only a name created again: any kvtier file whose owner is provably dead goes."""
+    spec = SPECS["bf16"]
+    proc = SPAWN.Process(target=procs.create_and_die, args=(spec.to_dict(), name))
+    proc.start()
+    proc.join(60)
+    assert (SHM_DIR / f"{name}.kvcache").exists()
+    other = cache_name(f"t{uuid.uuid4().hex[:10]}", 1)
+    with DeviceCache.create(spec, other):  # another name: the sweep at start removes the orphan
+        assert not (SHM_DIR / f"{name}.kvcache").exists()
+
+
+def test_files_of_live_owners_and_other_users_are_never_reclaimed(name: str) -> None:
+    spec = SPECS["bf16"]
+    foreign = SHM_DIR / f"{name}-x.kvcache"
+    foreign.write_bytes(b"another user's file: not locked, never ours to remove")
+    try:
+        if os.geteuid() == 0:
+            os.chown(foreign, 65534, 65534)
+        else:
+            pytest.skip("needs root to give a file to another user")
+        with DeviceCache.create(spec, name):
+            assert reclaim_orphans() == []
+            assert (SHM_DIR / f"{name}.kvcache").exists() and foreign.exists()
+    finally:
+        foreign.unlink(missing_ok=True)
 
 
 def test_detach_and_reattach_keep_the_bytes(name: str) -> None:

@@ -10,9 +10,9 @@ import torch
 
 import procs
 from conftest import SPECS
-from kvtier.device import SHM_DIR
 from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
 from kvtier.host import HEADER_SLOT_BYTES, HostPool
+from kvtier.shm import SHM_DIR
 from kvtier.spec import KVCacheSpec
 
 

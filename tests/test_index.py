@@ -12,8 +12,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.errors import ConfigError
-from kvtier.index import CacheIndex, NoFreeBlocks, Plan, Tier, WritePolicy
+from kvtier.errors import ConfigError, InvalidInput, NoFreeBlocks
+from kvtier.index import (
+    CacheIndex,
+    Plan,
+    SaveHostEviction,
+    SwapOutEviction,
+    Tier,
+    WritePolicy,
+)
 
 BLOCK = 4
 # Requests share prefixes: a "system prompt", then one of a few histories, then a turn.
@@ -60,15 +67,15 @@ class Engine(RuleBasedStateMachine):
         self.running[rid] = plan
 
     def execute(self, plan: Plan) -> None:
-        for kind, what, host in plan.evictions:  # in order: they depend on each other
-            if kind == "save_host":  # write-back before the host block is reused
+        for eviction in plan.evictions:  # in order: they depend on each other
+            if isinstance(eviction, SaveHostEviction):  # write-back before the host is reused
                 ok = not self._fail()
                 if ok:
-                    assert self.host[host] == what
-                    self.store.add(what)
-                self.index.apply_save_host(what, ok)
+                    assert self.host[eviction.host_block_id] == eviction.block_hash
+                    self.store.add(eviction.block_hash)
+                self.index.apply_save_host(eviction.block_hash, ok)
             else:
-                self.host[host] = self.device[what]
+                self.host[eviction.host_block_id] = self.device[eviction.device_block_id]
         for host, device in plan.swap_ins:
             self.device[device] = self.host[host]
         loaded = 0
@@ -137,13 +144,13 @@ def test_multi_turn_reuse_across_tiers() -> None:
     assert again.tokens_to_compute == BLOCK
     index.finish("b")
     other = index.plan("c", tokens_for(1, 0, 8))  # needs 6 blocks: evicts to host
-    assert [e[0] for e in other.evictions] == ["swap_out"] * 4
+    assert [type(e) for e in other.evictions] == [SwapOutEviction] * 4
     assert other.count(Tier.DEVICE) == 2  # the shared system prompt
     index.finish("c")
     back = index.plan("d", tokens_for(0, 0, 4))
     assert back.count(Tier.HOST) == 2 and len(back.swap_ins) == 2
     # Write-back: host blocks reused in this plan are saved first; block 4 then loads from there.
-    assert [e[0] for e in back.evictions][:2] == ["save_host", "swap_out"]
+    assert [type(e) for e in back.evictions][:2] == [SaveHostEviction, SwapOutEviction]
     assert back.sources[4] is Tier.STORAGE
     index.check()
 
@@ -153,7 +160,7 @@ def test_bad_policy_and_double_request() -> None:
         CacheIndex(BLOCK, 4, 4, "write_around")
     index = CacheIndex(BLOCK, 4, 0)
     index.plan("x", SYSTEM)
-    with pytest.raises(ConfigError, match="already running"):
+    with pytest.raises(InvalidInput, match="already running"):
         index.plan("x", SYSTEM)
     with pytest.raises(NoFreeBlocks):
         index.plan("y", list(range(500, 520)))

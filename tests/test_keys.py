@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
+import time
 
 import numpy as np
 import pytest
 
 import kvtier.keys as keys_module
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidBlockHash, InvalidInput
 from kvtier.keys import KeyScheme, block_hashes, read_weight_version
 
 
@@ -60,16 +62,16 @@ def test_extra_keys_change_the_hash() -> None:
     assert block_hashes(tokens, 16, extra=[(), ("a", "bc")]) != block_hashes(
         tokens, 16, extra=[(), ("ab", "c")]
     )  # lengths are encoded: no ambiguity
-    with pytest.raises(ConfigError, match="extra: need one entry per full block"):
+    with pytest.raises(InvalidInput, match="extra: need one entry per full block"):
         block_hashes(tokens, 16, extra=[()])
 
 
 def test_bad_input() -> None:
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(InvalidInput, match="block_size"):
         block_hashes([1, 2], 0)
-    with pytest.raises(ConfigError, match="parent"):
+    with pytest.raises(InvalidBlockHash, match="parent"):
         block_hashes([1, 2], 2, parent=b"short")
-    with pytest.raises(ConfigError, match="token_ids"):
+    with pytest.raises(InvalidInput, match="token_ids"):
         block_hashes([[1, 2]], 2)
 
 
@@ -91,8 +93,17 @@ def test_key_scheme() -> None:
         args = {"namespace": "m", "fingerprint": "c22cf1da9e80e87b", **bad}
         with pytest.raises(ConfigError, match=f"^{field}:"):
             KeyScheme(**args)
-    with pytest.raises(ConfigError, match="block_hash"):
+    with pytest.raises(InvalidBlockHash, match="block hash has 8 bytes, need 16..64"):
+        scheme.key(h[:8])
+    with pytest.raises(InvalidBlockHash, match="must be bytes"):
+        scheme.key("ab" * 16)  # type: ignore[arg-type]
+    # An engine's own 16-byte hashes (vLLM's xxhash) are keys as they are, never padded.
+    assert (
         scheme.key(h[:16])
+        == f"kv1:meta-llama/Llama-3-8B:RL-STEP7:c22cf1da9e80e87b:{h[:16].hex()}:3"
+    )
+    with pytest.raises(ConfigError, match="^version: must be text of at most 128"):
+        scheme.with_version("RL" * 1000)
 
 
 def test_weight_version(tmp_path, caplog) -> None:
@@ -113,3 +124,30 @@ def test_weight_version(tmp_path, caplog) -> None:
         with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
             assert read_weight_version(tmp_path) == "", text
         assert "malformed" in caplog.records[-1].getMessage()
+
+
+def test_hostile_version_files_neither_block_nor_flood(tmp_path, caplog) -> None:
+    """A FIFO at version.yaml once blocked start and resume forever; a 370-byte YAML alias bomb
+    made a 56 MiB log line. Both are now a malformed file: "" and one short warning."""
+    path = tmp_path / "version.yaml"
+    os.mkfifo(path)
+    keys_module._warned_version_paths.clear()
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
+        assert read_weight_version(tmp_path) == ""
+    assert time.monotonic() - start < 1.0
+    assert "not a regular file" in caplog.records[-1].getMessage()
+    path.unlink()
+    bomb = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for i, name in enumerate("bcdefgh"):
+        prev = "abcdefgh"[i]
+        bomb.append(f"{name}: &{name} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]")
+    bomb.append("version: *h")
+    path.write_text("\n".join(bomb) + "\n")
+    keys_module._warned_version_paths.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
+        assert read_weight_version(tmp_path) == ""
+    assert len(caplog.records[-1].getMessage()) < 500
+    path.write_text("version: RL-STEP1-" + "x" * 10_000 + "\n")  # larger than 4 KiB: refused
+    keys_module._warned_version_paths.clear()
+    assert read_weight_version(tmp_path) == ""

@@ -51,13 +51,17 @@ def _proc_figures(pid: int) -> tuple[int, int]:
 
 SLOW_STORAGE = {"backend": "memory", "faults": {"latency_s": 1.0}}
 TASKS = {
-    "swap_out": lambda: [t.SwapOut(0, [i % 30], [i % 16]) for i in range(3000)],
-    "swap_in": lambda: [t.SwapIn(0, [i % 16], [i % 30]) for i in range(3000)],
-    "save": lambda: [t.Save(0, hashes(2, 1), [1, 2])],
-    "load": lambda: [t.Load(0, hashes(2, 1), [1, 2])],
-    "save_host": lambda: [t.SaveHost(0, hashes(2, 2), [1, 2])],
-    "load_host": lambda: [t.LoadHost(0, hashes(2, 2), [1, 2])],
-    "lookup": lambda: [t.Lookup(0, hashes(2, 3))],
+    "swap_out": lambda: [
+        t.SwapOut(device_block_ids=[i % 30], host_block_ids=[i % 16]) for i in range(3000)
+    ],
+    "swap_in": lambda: [
+        t.SwapIn(host_block_ids=[i % 16], device_block_ids=[i % 30]) for i in range(3000)
+    ],
+    "save": lambda: [t.Save(block_hashes=hashes(2, 1), device_block_ids=[1, 2])],
+    "load": lambda: [t.Load(block_hashes=hashes(2, 1), device_block_ids=[1, 2])],
+    "save_host": lambda: [t.SaveHost(block_hashes=hashes(2, 2), host_block_ids=[1, 2])],
+    "load_host": lambda: [t.LoadHost(block_hashes=hashes(2, 2), host_block_ids=[1, 2])],
+    "lookup": lambda: [t.Lookup(block_hashes=hashes(2, 3))],
 }
 
 
@@ -476,18 +480,22 @@ def test_control_in_every_state(tmp_path, figures) -> None:
 
         codes = [client.control(m).code for m in ("pause", "pause")]  # pause twice
         for i in range(5):
-            submit(t.SwapOut(0, [i], [i]))
+            submit(t.SwapOut(device_block_ids=[i], host_block_ids=[i]))
         codes.append(client.control("update_weights", version="RL-STEP9").code)  # while paused
         codes.append(client.control("resume").code)
         codes.append(client.control("resume").code)  # resume while running
-        submit(t.Load(0, hashes(3, 1), [1, 2, 3]))  # a long load ...
+        submit(t.Load(block_hashes=hashes(3, 1), device_block_ids=[1, 2, 3]))  # a long load ...
         time.sleep(0.05)
         codes.append(client.control("sleep").code)  # ... sleep waits for it
-        submit(t.SwapOut(0, [1], [1]))  # refused while sleeping, with an answer
+        submit(
+            t.SwapOut(device_block_ids=[1], host_block_ids=[1])
+        )  # refused while sleeping, with an answer
         codes += [client.control("wakeup").code, client.control("wakeup").code]
         codes.append(client.control("pause").code)
         for i in range(3):
-            submit(t.SwapIn(0, [i], [i]))  # held, then shutdown while paused
+            submit(
+                t.SwapIn(host_block_ids=[i], device_block_ids=[i])
+            )  # held, then shutdown while paused
         time.sleep(0.2)
         client.close()
         for f in futures:
@@ -521,9 +529,11 @@ def test_sustained_load(tmp_path, figures) -> None:
             try:
                 for i in range(5000):
                     task = (
-                        t.SwapOut(0, [offset + i % 15], [offset // 2 + i % 8])
+                        t.SwapOut(
+                            device_block_ids=[offset + i % 15], host_block_ids=[offset // 2 + i % 8]
+                        )
                         if i % 3
-                        else t.Lookup(0, hashes(1, i % 7))
+                        else t.Lookup(block_hashes=hashes(1, i % 7))
                     )
                     start = time.perf_counter()
                     client.submit(task).result(30)

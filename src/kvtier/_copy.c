@@ -125,6 +125,40 @@ static void *copy_hash_span(void *arg) {
     return NULL;
 }
 
+/* Blocks [begin, end) of a verified copy: each block's source pieces are hashed first (which
+ * brings them into cache) and copied only when the hash equals the expected one, so a block
+ * that fails verification never reaches its destination. ok[b] says which blocks were copied. */
+typedef struct {
+    const int64_t *dst;
+    const int64_t *src;
+    const int64_t *size;
+    const uint64_t *expected;
+    uint8_t *ok;
+    Py_ssize_t per_block;
+    Py_ssize_t begin;
+    Py_ssize_t end;
+} VerifySpan;
+
+static void *verify_copy_span(void *arg) {
+    const VerifySpan *s = (const VerifySpan *)arg;
+    XXH3_state_t state;
+    for (Py_ssize_t b = s->begin; b < s->end; b++) {
+        Py_ssize_t first = b * s->per_block, last = (b + 1) * s->per_block;
+        XXH3_64bits_reset(&state);
+        for (Py_ssize_t i = first; i < last; i++) {
+            XXH3_64bits_update(&state, (const char *)(intptr_t)s->src[i], (size_t)s->size[i]);
+        }
+        s->ok[b] = s->ok[b] && XXH3_64bits_digest(&state) == s->expected[b];
+        if (!s->ok[b]) continue;
+        for (Py_ssize_t i = first; i < last; i++) {
+            /* Just hashed, so still in cache: a plain memcpy beats streaming stores here. */
+            memcpy((char *)(intptr_t)s->dst[i], (const char *)(intptr_t)s->src[i],
+                   (size_t)s->size[i]);
+        }
+    }
+    return NULL;
+}
+
 static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
@@ -289,10 +323,81 @@ static PyObject *copy_blocks_hashed(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *copy_blocks_verified(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj, *size_obj, *expected_obj, *ok_obj;
+    Py_ssize_t per_block;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "OOOnOOi", &dst_obj, &src_obj, &size_obj, &per_block,
+                          &expected_obj, &ok_obj, &num_threads)) {
+        return NULL;
+    }
+    Py_buffer dst, src, size, expected, ok;
+    if (get_piece_buffers(dst_obj, src_obj, size_obj, &dst, &src, &size) < 0) return NULL;
+    if (PyObject_GetBuffer(expected_obj, &expected, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&size);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(ok_obj, &ok, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&size);
+        PyBuffer_Release(&expected);
+        return NULL;
+    }
+    Py_ssize_t n = dst.len / 8;
+    Py_ssize_t blocks = per_block > 0 ? n / per_block : 0;
+    PyObject *result = NULL;
+    if (src.len / 8 != n || size.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "dst_ptrs, src_ptrs and sizes differ in length");
+    } else if (per_block <= 0 || blocks * per_block != n) {
+        PyErr_SetString(PyExc_ValueError, "piece count is not a multiple of pieces per block");
+    } else if (expected.len != blocks * 8 || ok.len != blocks) {
+        PyErr_SetString(PyExc_ValueError, "expected needs one uint64 and ok one uint8 per block");
+    } else {
+        if (num_threads < 1) num_threads = 1;
+        if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+        if (num_threads > blocks) num_threads = (int)(blocks > 0 ? blocks : 1);
+        VerifySpan spans[MAX_THREADS];
+        pthread_t threads[MAX_THREADS];
+        int started[MAX_THREADS] = {0};
+        for (int t = 0; t < num_threads; t++) {
+            spans[t] = (VerifySpan){(const int64_t *)dst.buf,      (const int64_t *)src.buf,
+                                    (const int64_t *)size.buf,     (const uint64_t *)expected.buf,
+                                    (uint8_t *)ok.buf,             per_block,
+                                    blocks * t / num_threads,      blocks * (t + 1) / num_threads};
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (int t = 1; t < num_threads; t++) {
+            if (pthread_create(&threads[t], NULL, verify_copy_span, &spans[t]) == 0) started[t] = 1;
+        }
+        verify_copy_span(&spans[0]);
+        for (int t = 1; t < num_threads; t++) {
+            if (started[t]) {
+                pthread_join(threads[t], NULL);
+            } else {
+                verify_copy_span(&spans[t]);
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(blocks);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&size);
+    PyBuffer_Release(&expected);
+    PyBuffer_Release(&ok);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_blocks_hashed", copy_blocks_hashed, METH_VARARGS,
      "copy_blocks_hashed(dst_ptrs, src_ptrs, sizes, pieces_per_block, hashes_out, num_threads)"
      " -> blocks copied; hashes_out[b] = XXH3-64 of block b's source pieces in order"},
+    {"copy_blocks_verified", copy_blocks_verified, METH_VARARGS,
+     "copy_blocks_verified(dst_ptrs, src_ptrs, sizes, pieces_per_block, expected, ok, threads)"
+     " -> blocks; block b is copied only if ok[b] on entry and its source hashes to expected[b]"},
     {"copy_pieces", copy_pieces, METH_VARARGS,
      "copy_pieces(dst_ptrs, src_ptrs, sizes, num_threads) -> total bytes copied"},
     {NULL, NULL, 0, NULL},

@@ -1,176 +1,105 @@
-"""The `kvtier` command: demo, bench, inspect."""
+"""The `kvtier` command: demo, serve, bench.
+
+Only this module (and ``kvtier.config``) reads argv and the environment. Subcommands import
+what they need when they run, so ``kvtier --help`` answers without importing torch. Every error
+is one line, ``kvtier: error: <field>: <what is wrong and what is allowed>``, exit code 2;
+Ctrl-C exits 130 and SIGTERM 143, both after cleaning up.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from kvtier.errors import KvtierError
-from kvtier.spec import KVCacheSpec
+from kvtier.errors import ConfigError, KvtierError
+
+WRITE_POLICIES = ("write_through", "write_back")
+BENCHES = {
+    "copy": ("device<->host swap GB/s vs contiguous copy and loop", "kvtier_bench.copy"),
+    "storage": ("storage save/load GB/s vs raw disk / raw Mooncake", "kvtier_bench.storage"),
+    "e2e": ("the chat workload: device-only vs +host vs kvtier", "kvtier_bench.e2e"),
+    "latency": ("1-block swap round trip vs raw ZeroMQ round trip", "kvtier_bench.latency"),
+}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that every ``finally`` runs."""
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+
+
+def _add_demo(sub, common: argparse.ArgumentParser) -> None:
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="serve a multi-turn chat workload, verifying every block",
+        description="Serve a multi-turn chat through the engine-side index, the client and "
+        "worker ranks, with a device cache far smaller than the working set; every block "
+        "served from device, host or storage is checked byte for byte.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--ranks", type=int, default=2, help="worker ranks (tensor parallel)")
+    demo.add_argument("--backend", default="file", choices=["file", "mooncake", "memory"])
+    demo.add_argument("--mooncake-master", help="host:port (default: start one on loopback)")
+    demo.add_argument("--mooncake-metadata", help="metadata server URL of that master")
+    demo.add_argument("--users", type=int, default=16, help="concurrent chat users")
+    demo.add_argument("--turns", type=int, default=6, help="turns per user")
+    demo.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    demo.add_argument("--device-blocks", type=int, default=160, help="device cache blocks")
+    demo.add_argument("--host-blocks", type=int, default=256, help="host pool blocks")
+    demo.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
+    demo.add_argument("--keep-store", metavar="DIR", help="keep the file store in DIR")
+    demo.add_argument("--seed", type=int, default=0, help="workload random seed")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Serve a multi-turn chat workload through the index, the client and 2 worker ranks."""
-    from kvtier.demo import Workload, run_demo
+    from kvtier.demo import Workload, print_demo, run_demo
 
     w = Workload.from_args(args)
     if not args.json:
         print(
-            f"kvtier demo: {args.users} users x {args.turns} turns sharing a "
+            f"kvtier demo: {w.users} users x {w.turns} turns sharing a "
             f"{w.system_tokens}-token system prompt; {args.ranks} worker ranks; device cache "
             f"{w.device_blocks} blocks, host {w.host_blocks} blocks, storage: {args.backend}",
             file=sys.stderr,
             flush=True,
         )
-    with _mooncake_for(args) as mooncake:
-        result = run_demo(
-            w,
-            args.backend,
-            args.ranks,
-            args.keep_store,
-            mooncake,
-            args.write_policy,
-            progress=not args.json,
-        )
+    mooncake = None
+    if args.mooncake_master:
+        mooncake = {"master_address": args.mooncake_master}
+        if args.mooncake_metadata:
+            mooncake["metadata_server"] = args.mooncake_metadata
+    result = run_demo(
+        w, args.backend, args.ranks, args.keep_store, mooncake, args.write_policy, not args.json
+    )
     if args.json:
         print(json.dumps(result))
     else:
-        _print_demo(result, w.block_size)
+        print_demo(result)
     return 0 if result["blocks_verified"] == result["blocks_checked"] else 1
 
 
-def _mooncake_for(args: argparse.Namespace):
-    import contextlib
-
-    if args.backend != "mooncake":
-        return contextlib.nullcontext(None)
-    if args.mooncake_master:
-        return contextlib.nullcontext(
-            {"master_address": args.mooncake_master, "metadata_server": args.mooncake_metadata}
-        )
-
-    @contextlib.contextmanager
-    def local():
-        from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
-
-        with LocalMaster() as master, LocalStoreNode(master, 1 << 30):
-            yield {
-                "master_address": master.master_address,
-                "metadata_server": master.metadata_server,
-                "global_segment_size": 0,
-            }
-
-    return local()
+# ---- serve --------------------------------------------------------------------------------------
 
 
-def _print_demo(r: dict, block_size: int) -> None:
-    tokens = r["tokens"]
-    total = max(1, r["prefill_tokens"])
-    print(
-        f"\n{r['requests']} requests, {r['prefill_tokens']:,} prefill tokens, "
-        f"{r['ranks']} ranks, {r['wall_s']:.1f} s"
+def _add_serve(sub, common: argparse.ArgumentParser) -> None:
+    serve = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="run one worker (one per tensor-parallel rank)",
+        description="Run one worker. Settings come from --config YAML, then KVTIER_<FIELD> "
+        "variables, then these flags (flags win). The old engine's flags are accepted too.",
     )
-    print(f"  {'served from':<16}{'tokens':>10}{'share':>9}")
-    for tier, label in (
-        ("device", "device cache"),
-        ("host", "host pool"),
-        ("storage", "storage"),
-        ("compute", "recomputed"),
-    ):
-        print(f"  {label:<16}{tokens[tier]:>10,}{tokens[tier] / total:>9.1%}")
-    print(f"  prefill avoided: {r['prefill_avoided']:.1%}")
-    print(f"  {'direction':<16}{'MiB':>10}{'GB/s':>9}")
-    for kind in ("swap_out", "swap_in", "save", "load", "save_host"):
-        if kind in r["bytes"]:
-            print(f"  {kind:<16}{r['bytes'][kind] / 2**20:>10.1f}{r['gbps'].get(kind, 0):>9.2f}")
-    print(f"  time in kvtier per request: {r['kvtier_ms_per_request']:.2f} ms")
-    print(f"  integrity: {r['blocks_verified']} of {r['blocks_checked']} blocks verified")
-
-
-WRITE_POLICIES = ("write_through", "write_back")
-
-
-def _serve(args: argparse.Namespace) -> int:
-    """One worker process: configuration from --config YAML, KVTIER_* env, then flags."""
-    from kvtier.config import load_config
-    from kvtier.worker import Worker
-
-    overrides: dict = {
-        "rank": args.rank,
-        "world_size": args.world_size,
-        "instance_id": args.instance_id,
-        "num_host_blocks": args.num_host_blocks,
-        "device_cache": args.device_cache,
-        "device_cache_mode": args.device_cache_mode,
-        "device": args.device,
-        "namespace": args.namespace,
-        "model_dir": args.model_dir,
-        "endpoint": args.endpoint,
-        "engine_timeout_s": args.engine_timeout_s,
-    }
-    if args.key_cache_shape:
-        overrides["spec"] = KVCacheSpec.from_legacy_args(args)
-    if args.write_policy is not None and args.write_policy not in WRITE_POLICIES:
-        from kvtier.errors import ConfigError
-
-        raise ConfigError(
-            "write_policy", f"got {args.write_policy!r}; allowed: {', '.join(WRITE_POLICIES)}"
-        )
-    if args.max_model_len:  # stage a whole request per step, as the old staging buffers did
-        overrides["staging_blocks"] = (
-            -(-args.max_model_len // overrides["spec"].block_size) if "spec" in overrides else None
-        )
-    if args.device_id is not None:
-        overrides["device"] = f"cuda:{args.device_id}" if args.device == "cuda" else args.device
-    if args.storage_backend or args.storage_root:
-        storage = {"backend": args.storage_backend or "file"}
-        if args.storage_root:
-            storage["root"] = args.storage_root
-        overrides["storage"] = storage
-    config = load_config(args.config, overrides, os.environ)
-    logging.basicConfig(
-        level=getattr(logging, str(config.log_level).upper(), logging.INFO),
-        force=True,
-        format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
-    )
-    return Worker(config).serve()
-
-
-def _bench(args: argparse.Namespace) -> int:
-    return args.bench_report(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvtier",
-        description="Move LLM KV-cache blocks between device memory, a host pool and storage.",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="serve a multi-turn chat workload, verifying every block")
-    demo.add_argument("--ranks", type=int, default=2)
-    demo.add_argument("--backend", default="file", choices=["file", "mooncake", "memory"])
-    demo.add_argument("--mooncake-master", help="host:port (default: start one on loopback)")
-    demo.add_argument("--mooncake-metadata", help="metadata server URL of that master")
-    demo.add_argument("--users", type=int, default=16)
-    demo.add_argument("--turns", type=int, default=6)
-    demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--device-blocks", type=int, default=160)
-    demo.add_argument("--host-blocks", type=int, default=256)
-    demo.add_argument(
-        "--write-policy", default="write_through", choices=["write_through", "write_back"]
-    )
-    demo.add_argument("--keep-store", metavar="DIR", help="keep the file store in DIR")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--json", action="store_true")
-    demo.set_defaults(func=_demo)
-
-    serve = sub.add_parser("serve", help="run one worker (one per tensor-parallel rank)")
     serve.add_argument("--config", help="YAML file with worker settings (see README)")
     serve.add_argument("--rank", type=int)
     serve.add_argument("--world-size", "--mp_num", dest="world_size", type=int)
@@ -183,16 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage-backend",
         "--storage_backend",
         dest="storage_backend",
-        help="file, mooncake or memory",
+        help="file|mooncake|memory",
     )
     serve.add_argument("--storage-root", help="file backend directory")
     serve.add_argument("--namespace", help="model id used in storage keys")
-    serve.add_argument(
-        "--model-dir", "--model_path", dest="model_dir", help="model directory holding version.yaml"
-    )
-    serve.add_argument("--endpoint", help="ipc://PATH or tcp://127.0.0.1:PORT")
+    serve.add_argument("--model-dir", "--model_path", dest="model_dir", help="holds version.yaml")
+    serve.add_argument("--endpoint", help="ipc:///PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--engine-timeout-s", type=float)
-    serve.add_argument("--write_policy", "--write-policy", dest="write_policy")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus exporter on 127.0.0.1")
+    serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--write_policy",
+        "--write-policy",
+        dest="write_policy",
+        help="accepted for the old engine: write_through only (write_back is the engine-side "
+        "CacheIndex's policy, not a worker's)",
+    )
     serve.add_argument(
         "--max_model_len",
         "--max-model-len",
@@ -201,47 +136,168 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest request in tokens: sizes the storage staging",
     )
     serve.add_argument("--device_id", "--device-id", dest="device_id", type=int)
-    from kvtier.spec import legacy_flag_parser
+    from kvtier.legacy_flags import legacy_flag_parser
 
-    legacy = serve.add_argument_group("the old engine's cache flags")
-    legacy_flag_parser(legacy, required=False)
+    legacy_flag_parser(serve.add_argument_group("the old engine's cache flags"), required=False)
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks, each beside the limit it is measured against")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from kvtier_bench import copy as copy_bench
-    from kvtier_bench import e2e as e2e_bench
-    from kvtier_bench import latency as latency_bench
-    from kvtier_bench import storage as storage_bench
 
-    b = bench_sub.add_parser("copy", help="device<->host swap GB/s vs contiguous copy and loop")
-    copy_bench.add_arguments(b)
-    b.set_defaults(func=_bench, bench_report=copy_bench.report)
-    b = bench_sub.add_parser("storage", help="storage save/load GB/s vs raw disk / raw Mooncake")
-    storage_bench.add_arguments(b)
-    b.set_defaults(func=_bench, bench_report=storage_bench.report)
-    b = bench_sub.add_parser("e2e", help="the chat workload: device-only vs +host vs kvtier")
-    e2e_bench.add_arguments(b)
-    b.set_defaults(func=_bench, bench_report=e2e_bench.report)
-    b = bench_sub.add_parser("latency", help="1-block swap round trip vs raw ZeroMQ round trip")
-    latency_bench.add_arguments(b)
-    b.set_defaults(func=_bench, bench_report=latency_bench.report)
+def _serve(args: argparse.Namespace) -> int:
+    """One worker process: configuration from --config YAML, KVTIER_* env, then flags."""
+    from kvtier.config import load_config
+    from kvtier.worker import Worker
+
+    config = load_config(args.config, _serve_overrides(args), os.environ)
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper()),
+        force=True,
+        format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    if config.storage.get("backend") == "mooncake":  # the edge sets what Mooncake reads
+        from kvtier.storage.mooncake import process_environment
+
+        os.environ.update(process_environment(config.storage))
+    return Worker(config).serve()
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    names = [
+        "rank",
+        "world_size",
+        "instance_id",
+        "num_host_blocks",
+        "device_cache",
+        "device_cache_mode",
+        "device",
+        "namespace",
+        "model_dir",
+        "endpoint",
+        "engine_timeout_s",
+        "metrics_port",
+        "log_level",
+    ]
+    overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
+    if args.key_cache_shape:
+        from kvtier.legacy_flags import spec_from_legacy_args
+
+        overrides["spec"] = spec_from_legacy_args(args)
+    elif args.num_layers is not None or args.value_cache_shape:
+        raise ConfigError("key_cache_shape", "the old cache flags need --key_cache_shape N,H,B,D")
+    if args.write_policy is not None and args.write_policy != "write_through":
+        allowed = ", ".join(WRITE_POLICIES)
+        if args.write_policy not in WRITE_POLICIES:
+            raise ConfigError("write_policy", f"got {args.write_policy!r}; allowed: {allowed}")
+        raise ConfigError(
+            "write_policy",
+            "write_back is decided by the engine (kvtier.index.CacheIndex), not by a worker: "
+            "a worker saves what it is told; pass write_through or leave the flag out",
+        )
+    if args.max_model_len is not None:  # stage a whole request per step, as the old staging did
+        if "spec" not in overrides:
+            raise ConfigError("max_model_len", "needs the old cache flags (--key_cache_shape)")
+        overrides["staging_blocks"] = -(-args.max_model_len // overrides["spec"].block_size)
+    if args.device_id is not None:
+        if not (args.device or "").startswith("cuda"):
+            raise ConfigError("device_id", "applies to --device cuda only")
+        overrides["device"] = f"cuda:{args.device_id}"
+    if args.storage_backend or args.storage_root:
+        storage = {"backend": args.storage_backend or "file"}
+        if args.storage_root:
+            if storage["backend"] != "file":
+                raise ConfigError("storage_root", "applies to the file backend only")
+            storage["root"] = args.storage_root
+        overrides["storage"] = storage
+    return overrides
+
+
+# ---- bench --------------------------------------------------------------------------------------
+
+
+def _add_bench(sub, common: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser(
+        "bench", parents=[common], help="benchmarks, each beside the limit it is measured against"
+    )
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, (text, _) in BENCHES.items():
+        # Options are parsed by the benchmark's own parser, imported only when it runs.
+        b = bench_sub.add_parser(name, help=text, add_help=False, parents=[common])
+        b.set_defaults(func=_bench, bench_name=name, takes_extra=True)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    name = args.bench_name
+    module = importlib.import_module(BENCHES[name][1])
+    parser = argparse.ArgumentParser(
+        prog=f"kvtier bench {name}",
+        description=module.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    module.add_arguments(parser)
+    return module.report(parser.parse_args(args.extra))
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    p = argparse.ArgumentParser(
+        prog="kvtier",
+        description="Move LLM KV-cache blocks between device memory, a host pool and storage.",
+        parents=[common],
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_serve, _add_bench):
+        add(sub, common)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    previous = _raise_on_sigterm()
     try:
-        return args.func(args)
+        return _run(args.func, args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return func(args)
     except KvtierError as e:
         print(f"kvtier: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("kvtier: terminated; cleaned up", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
+        print("kvtier: interrupted; cleaned up", file=sys.stderr)
         return 130
+
+
+def _raise_on_sigterm():
+    """SIGTERM becomes an exception in the main thread, so cleanup runs as for Ctrl-C.
+
+    ``kvtier serve`` installs its own handlers (a graceful worker stop) over this one.
+    """
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (tests calling main() from a thread)
+        return None
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ import numpy as np
 import torch
 
 from kvtier.device import DeviceCache
-from kvtier.errors import InvalidBlockIds
+from kvtier.errors import InvalidBlockIds, LayoutMismatch
 from kvtier.host import HostPool
-from kvtier.storage.format import payload_checksum
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,9 @@ class BlockCopier(ABC):
       copy stream is synchronized).
     - ``swap_out(..., checksum=True)`` also records each host block's XXH3-64 in the host pool
       (fused into the copy on the native CPU path); without it the pool forgets those blocks'
-      checksums. ``swap_in_verified`` copies like ``swap_in`` and returns, per pair, whether the
-      host block's bytes matched the checksum the pool holds for it (False when none is known);
-      the caller must not use device blocks whose pair is False.
+      checksums. ``swap_in_verified`` returns, per pair, whether the host block's bytes matched
+      the checksum the pool holds for it (False when none is known), and copies exactly the
+      pairs that matched: a block that fails verification never reaches the device.
     - A detached device cache raises ``DeviceCacheDetached``.
     - Thread-safe: a swap_out and a swap_in may run at once from two threads, provided they
       do not write the same blocks (the worker's per-direction executors guarantee that).
@@ -53,7 +52,7 @@ class BlockCopier(ABC):
 
     def __init__(self, device_cache: DeviceCache, host_pool: HostPool) -> None:
         if device_cache.spec.fingerprint != host_pool.spec.fingerprint:
-            raise InvalidBlockIds("device cache and host pool were built for different specs")
+            raise LayoutMismatch("device cache and host pool were built for different specs")
         self.device_cache = device_cache
         self.host_pool = host_pool
         self.spec = device_cache.spec
@@ -67,9 +66,8 @@ class BlockCopier(ABC):
         moved, hashes = self._swap_out(dev, host, checksum)
         if checksum:
             if hashes is None:
-                self.host_pool.compute_checksums(host)
-            else:
-                self.host_pool.set_checksums(host, hashes)
+                hashes = self.host_pool.compute_checksums(host)
+            self.host_pool.set_checksums(host, hashes)
         else:
             self.host_pool.forget_checksums(host)
         return moved
@@ -81,18 +79,21 @@ class BlockCopier(ABC):
         return self._swap_in(host, dev, False)[0]
 
     def swap_in_verified(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> np.ndarray:
-        """swap_in, and per pair: did the host block match its recorded checksum?"""
+        """Copy the pairs whose host block matches its recorded checksum; return which did."""
         dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=False)
         if dev.size == 0:
             return np.zeros(0, dtype=bool)
-        _, hashes = self._swap_in(host, dev, True)
-        if hashes is None:  # this copier cannot hash while copying: one pass over the blocks
-            hashes = np.array(
-                [payload_checksum(self.host_pool.slab[h].numpy()) for h in host.tolist()],
-                dtype=np.uint64,
-            )
-        known = self.host_pool._checksum_known[host]
-        return known & (self.host_pool._checksums[host] == hashes)
+        expected, known = self.host_pool.expected_checksums(host)
+        return self._swap_in_verified(host, dev, expected, known.copy())
+
+    def _swap_in_verified(
+        self, host: np.ndarray, dev: np.ndarray, expected: np.ndarray, ok: np.ndarray
+    ) -> np.ndarray:
+        """Default: hash first (one pass over the host blocks), then copy only the good ones."""
+        ok &= self.host_pool.compute_checksums(host) == expected
+        if ok.any():
+            self._swap_in(host[ok], dev[ok], False)
+        return ok
 
     def check_device_ids(self, dev: np.ndarray, *, destination: bool) -> None:
         """Range-check device ids (and, for a destination, refuse duplicates)."""
@@ -214,6 +215,18 @@ class CpuBlockCopier(BlockCopier):
     def _swap_in(self, host, dev, checksum):
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
         return self._run(dev_ptrs, host_ptrs, sizes, dev.size, checksum)
+
+    def _swap_in_verified(self, host, dev, expected, ok):
+        """One native call: each block is hashed, then copied only if it matched."""
+        dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
+        flags = ok.astype(np.uint8)
+        total = dev.size * self.spec.block_bytes
+        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
+        expected = np.ascontiguousarray(expected, dtype=np.uint64)
+        _copy.copy_blocks_verified(
+            dev_ptrs, host_ptrs, sizes, len(self.spec.pieces), expected, flags, threads
+        )
+        return flags.astype(bool)
 
 
 class _StagedCopier(BlockCopier):
@@ -339,6 +352,19 @@ class CudaBlockCopier(_StagedCopier):
         self.stream.synchronize()
 
 
+_warned_fallback = False
+
+
+def _warn_no_native_copier() -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        log.warning(
+            "kvtier._copy is not built (no C compiler at install time): using the two-pass "
+            "torch copier, about half as fast; reinstall with a compiler for the native one"
+        )
+
+
 def make_copier(
     device_cache: DeviceCache, host_pool: HostPool, num_threads: int | None = None
 ) -> BlockCopier:
@@ -346,6 +372,6 @@ def make_copier(
     if device_cache.device.type == "cuda":
         return CudaBlockCopier(device_cache, host_pool)
     if _copy is None:
-        log.warning("kvtier._copy is not built: falling back to the two-pass torch copier")
+        _warn_no_native_copier()
         return TorchBlockCopier(device_cache, host_pool)
     return CpuBlockCopier(device_cache, host_pool, num_threads)

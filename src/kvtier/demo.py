@@ -8,7 +8,9 @@ rank), so each block swapped in or loaded is checked byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import shutil
 import sys
 import tempfile
@@ -23,7 +25,8 @@ import torch
 
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
-from kvtier.index import CacheIndex, Plan, Tier
+from kvtier.errors import ConfigError
+from kvtier.index import CacheIndex, Plan, SwapOutEviction, Tier
 from kvtier.spec import KVCacheSpec
 from kvtier.tasks import Result
 
@@ -42,6 +45,19 @@ class Workload:
     device_blocks: int = 160
     host_blocks: int = 256
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        limits = {
+            "users": (1, 10_000),
+            "turns": (1, 1_000),
+            "block_size": (1, 4096),
+            "device_blocks": (1, 1 << 22),
+            "host_blocks": (0, 1 << 22),
+        }
+        for name, (low, high) in limits.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(name, f"must be an integer in {low}..{high}, got {value!r}")
 
     @classmethod
     def from_args(cls, args: Any) -> Workload:
@@ -76,7 +92,9 @@ class Tally:
             "requests": self.requests,
             "prefill_tokens": self.prefill_tokens,
             "tokens": {t.value: self.tokens[t] for t in Tier},
-            "prefill_avoided": 1 - self.tokens[Tier.COMPUTE] / max(1, self.prefill_tokens),
+            "prefill_avoided": (
+                1 - self.tokens[Tier.COMPUTE] / self.prefill_tokens if self.prefill_tokens else 0.0
+            ),
             "bytes": dict(self.bytes),
             "seconds": dict(self.seconds),
             "gbps": {
@@ -162,28 +180,22 @@ class Engine:
 
     def _evict(self, plan: Plan) -> None:
         """Run evictions in order, batching consecutive ones of a kind."""
-        batch: list[tuple[str, Any, int]] = []
-        for item in plan.evictions + [("end", b"", -1)]:
-            if batch and item[0] != batch[0][0]:
-                kind = batch[0][0]
-                if kind == "swap_out":
-                    self._call(
-                        "swap_out",
-                        self.client.swap_out,
-                        [b[1] for b in batch],
-                        [b[2] for b in batch],
-                    )
-                else:
-                    res = self._call(
-                        "save_host",
-                        self.client.save_host,
-                        [b[1] for b in batch],
-                        [b[2] for b in batch],
-                    )
-                    for j, b in enumerate(batch):
-                        self.index.apply_save_host(b[1], j < len(res.blocks))
-                batch = []
-            batch.append(item)
+        for kind, group in itertools.groupby(plan.evictions, key=type):
+            batch = list(group)
+            if kind is SwapOutEviction:
+                self._call(
+                    "swap_out",
+                    self.client.swap_out,
+                    [e.device_block_id for e in batch],
+                    [e.host_block_id for e in batch],
+                )
+                continue
+            hashes = [e.block_hash for e in batch]
+            res = self._call(
+                "save_host", self.client.save_host, hashes, [e.host_block_id for e in batch]
+            )
+            for j, h in enumerate(hashes):
+                self.index.apply_save_host(h, j < len(res.blocks))
 
 
 def conversations(w: Workload):
@@ -211,7 +223,6 @@ def run(
     """Serve the workload once; returns the tally. Leaves nothing behind."""
     spec = w.spec()
     instance = f"demo{uuid.uuid4().hex[:8]}"
-    caches = [DeviceCache.create(spec, cache_name(instance, r)) for r in range(ranks)]
     index = CacheIndex(
         w.block_size,
         w.device_blocks,
@@ -221,36 +232,42 @@ def run(
         use_host=use_host,
     )
     start = time.perf_counter()
-    try:
-        with Client.launch(
-            spec,
-            ranks,
-            storage,
-            instance_id=instance,
-            num_host_blocks=max(1, w.host_blocks),
-            staging_blocks=32,
-        ) as client:
-            engine = Engine(w, client, caches, index)
-            for turn, user, tokens in conversations(w):
-                engine.serve(f"t{turn}u{user}", tokens)
-                if progress and user == w.users - 1:
-                    t = engine.tally
-                    reused = 1 - t.tokens[Tier.COMPUTE] / max(1, t.prefill_tokens)
-                    print(
-                        f"  turn {turn + 1}/{w.turns}: {t.requests} requests, "
-                        f"{reused:.0%} of prefill reused, {t.verified}/{t.checked} blocks "
-                        f"verified",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            index.check()
-    finally:
-        for cache in caches:
-            cache.close()
+    with contextlib.ExitStack() as stack:
+        caches = [
+            stack.enter_context(DeviceCache.create(spec, cache_name(instance, r)))
+            for r in range(ranks)
+        ]
+        client = stack.enter_context(
+            Client.launch(
+                spec,
+                ranks,
+                storage,
+                instance_id=instance,
+                num_host_blocks=max(1, w.host_blocks),
+                staging_blocks=32,
+            )
+        )
+        engine = Engine(w, client, caches, index)
+        for turn, user, tokens in conversations(w):
+            engine.serve(f"t{turn}u{user}", tokens)
+            if progress and user == w.users - 1:
+                t = engine.tally
+                reused = 1 - t.tokens[Tier.COMPUTE] / max(1, t.prefill_tokens)
+                print(
+                    f"  turn {turn + 1}/{w.turns}: {t.requests} requests, "
+                    f"{reused:.0%} of prefill reused, {t.verified}/{t.checked} blocks "
+                    f"verified",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        index.check()
     result = engine.tally.as_dict()
     result["wall_s"] = time.perf_counter() - start
     result["ranks"] = ranks
     return result
+
+
+MAX_RANKS = 64
 
 
 def run_demo(
@@ -262,17 +279,63 @@ def run_demo(
     write_policy: str = "write_through",
     progress: bool = True,
 ) -> dict[str, Any]:
-    root = keep_store or tempfile.mkdtemp(prefix="kvtier-demo-")
-    try:
+    """The demo: a file store in a temporary directory (or ``keep_store``), a memory store, or
+    Mooncake (``mooncake`` options, or a master and storage node started on loopback). Leaves
+    nothing behind unless ``keep_store``, also when interrupted."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise ConfigError("ranks", f"must be an integer in 1..{MAX_RANKS}, got {ranks!r}")
+    with contextlib.ExitStack() as stack:
         if backend == "file":
-            storage = {"backend": "file", "root": root}
+            root = keep_store or tempfile.mkdtemp(prefix="kvtier-demo-")
+            if keep_store is None:
+                stack.callback(shutil.rmtree, root, ignore_errors=True)
+            storage: dict[str, Any] = {"backend": "file", "root": root}
         elif backend == "mooncake":
-            storage = {"backend": "mooncake", **(mooncake or {})}
+            storage = {
+                "backend": "mooncake",
+                **(mooncake or stack.enter_context(_local_mooncake())),
+            }
         else:
             storage = {"backend": backend}
         result = run(w, storage, ranks, write_policy=write_policy, progress=progress)
         result["backend"] = backend
         return result
-    finally:
-        if keep_store is None:
-            shutil.rmtree(root, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _local_mooncake():
+    """A master and a 1 GiB storage node on loopback; the workers are pure clients."""
+    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+
+    with LocalMaster() as master, LocalStoreNode(master, 1 << 30):
+        yield {
+            "master_address": master.master_address,
+            "metadata_server": master.metadata_server,
+            "global_segment_size": 0,
+        }
+
+
+def print_demo(r: dict) -> None:
+    tokens = r["tokens"]
+    total = max(1, r["prefill_tokens"])
+    requests = r["requests"]
+    print(
+        f"\n{requests} request{'s' if requests != 1 else ''}, {r['prefill_tokens']:,} prefill "
+        f"tokens, {r['ranks']} rank{'s' if r['ranks'] != 1 else ''}, {r['wall_s']:.1f} s"
+    )
+    print(f"  {'served from':<16}{'tokens':>10}{'share':>9}")
+    for tier, label in (
+        ("device", "device cache"),
+        ("host", "host pool"),
+        ("storage", "storage"),
+        ("compute", "recomputed"),
+    ):
+        print(f"  {label:<16}{tokens[tier]:>10,}{tokens[tier] / total:>9.1%}")
+    print(f"  prefill avoided: {r['prefill_avoided']:.1%}")
+    print(f"  {'direction':<16}{'MiB':>10}{'GB/s':>9}")
+    for kind in ("swap_out", "swap_in", "save", "load", "save_host"):
+        if kind in r["bytes"]:
+            print(f"  {kind:<16}{r['bytes'][kind] / 2**20:>10.1f}{r['gbps'].get(kind, 0):>9.2f}")
+    print(f"  time in kvtier per request: {r['kvtier_ms_per_request']:.2f} ms")
+    print(f"  integrity: {r['blocks_verified']} of {r['blocks_checked']} blocks verified")

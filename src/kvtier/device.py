@@ -3,30 +3,29 @@
 Three ways to get one:
 
 - ``DeviceCache.create(spec, name)`` — the owner allocates the cache and publishes it under
-  ``name``: on CPU one named shared-memory segment in /dev/shm (a JSON header page, then every
-  tensor page-aligned); on CUDA dedicated allocations whose IPC handles (torch's own CUDA-IPC
-  reductions, which carry the storage offset) are published in a small /dev/shm file.
+  ``name``: on CPU one named shared-memory file (a JSON header page, then the tensors, placed by
+  a ``SegmentLayout``: page-aligned by default, or the engine's own placement, e.g. every layer
+  ``layer_stride`` apart in one buffer); on CUDA dedicated allocations whose IPC handles are
+  published in a small file (``kvtier.cuda_ipc``).
 - ``DeviceCache.attach(spec, name)`` — a peer process maps the published cache; the layout in the
   header must equal ``spec`` field by field, otherwise ``LayoutMismatch`` names the fields.
 - ``DeviceCache.wrap(spec, key_caches, value_caches, ...)`` — in process, tensors the engine
   already has (torch tensors or anything with ``__dlpack__``). ``publish(name)`` shares wrapped
   CUDA tensors with a worker.
 
-The owner holds an exclusive ``flock`` on the published file for its lifetime. A file whose lock
-can be taken therefore belongs to a crashed owner: ``create`` reclaims it (one WARNING line) and
-``attach`` refuses it.
+Published files follow ``kvtier.shm``: created locked (a file whose lock can be taken belongs to
+a dead owner: ``create`` reclaims it, ``attach`` refuses it), opened without following links and
+checked on the descriptor (regular, ours, 0600), mapped from that descriptor.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import pickle
-import re
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -34,18 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier import shm
 from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
+from kvtier.shm import SegmentKind
 from kvtier.spec import KVCacheSpec, Part
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path(os.environ.get("KVTIER_SHM_DIR", "/dev/shm"))
 HEADER_BYTES = 4096
 ALIGN_BYTES = 4096
 _MAGIC = b"KVTIERDC"
 _HEADER_FORMAT = "<8sII"  # magic, format version, json length
-_FORMAT_VERSION = 1
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_FORMAT_VERSION = 2
 
 
 class CacheMode(str, Enum):
@@ -57,43 +56,53 @@ class CacheMode(str, Enum):
 def cache_name(instance_id: str, rank: int, device_index: int = 0) -> str:
     """The published name of one rank's device cache: the instance id keeps engines apart."""
     name = f"kvtier-{instance_id}-rank{rank}-dev{device_index}"
-    _check_name(name)
+    shm.check_name(name)
     return name
-
-
-def _check_name(name: str) -> None:
-    if not _NAME_RE.match(name):
-        raise DeviceCacheError(
-            f"device cache name {name!r} must be 1-200 characters of letters, digits, '.', '_', '-'"
-        )
-
-
-def _segment_path(name: str, device_type: str) -> Path:
-    return SHM_DIR / (f"{name}.kvcache" if device_type == "cpu" else f"{name}.cudaipc")
 
 
 def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def _cpu_offsets(spec: KVCacheSpec) -> list[tuple[int, Part, int, int]]:
-    """(layer, part, offset, bytes) of every tensor in a CPU segment, page-aligned."""
-    out = []
-    offset = HEADER_BYTES
-    for layer in range(spec.total_layers):
-        for part in spec.parts:
-            nbytes = spec.layer_num_blocks(layer) * spec.part_block_bytes(part)
-            out.append((layer, part, offset, nbytes))
-            offset = _align(offset + nbytes)
-    return out
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Where each (layer, part) tensor of a CPU segment lives, after the header page.
 
+    ``pieces[i]`` is (offset_bytes, block_stride_bytes) of ``spec.pieces[i]``'s tensor: block b
+    of that tensor starts at ``offset + b * block_stride``. ``data_bytes`` is the data region.
+    """
 
-def _as_torch(t: Any, what: str) -> torch.Tensor:
-    if isinstance(t, torch.Tensor):
-        return t
-    if hasattr(t, "__dlpack__"):
-        return torch.from_dlpack(t)
-    raise LayoutMismatch(f"{what} is a {type(t).__name__}: need a torch tensor or a DLPack tensor")
+    pieces: tuple[tuple[int, int], ...]
+    data_bytes: int
+
+    @classmethod
+    def packed(cls, spec: KVCacheSpec) -> SegmentLayout:
+        """kvtier's own placement: each tensor contiguous and page-aligned."""
+        pieces, offset = [], 0
+        for layer in range(spec.total_layers):
+            for part in spec.parts:
+                block = spec.part_block_bytes(part)
+                pieces.append((offset, block))
+                offset = _align(offset + spec.layer_num_blocks(layer) * block)
+        return cls(tuple(pieces), max(offset, ALIGN_BYTES))
+
+    def check(self, spec: KVCacheSpec) -> None:
+        """Raise LayoutMismatch unless every tensor fits in the region, aligned."""
+        if len(self.pieces) != len(spec.pieces):
+            raise LayoutMismatch(
+                f"layout has {len(self.pieces)} tensors; the spec has {len(spec.pieces)}"
+            )
+        for piece, (offset, stride) in zip(spec.pieces, self.pieces):
+            where = f"layer {piece.layer} {piece.part.value}"
+            itemsize = spec.torch_dtype(piece.part).itemsize
+            n = spec.layer_num_blocks(piece.layer)
+            if offset < 0 or stride < piece.size_bytes or offset % itemsize or stride % itemsize:
+                raise LayoutMismatch(
+                    f"{where}: offset {offset} / block stride {stride} unusable for "
+                    f"{piece.size_bytes}-byte blocks"
+                )
+            if offset + (n - 1) * stride + piece.size_bytes > self.data_bytes:
+                raise LayoutMismatch(f"{where}: ends past the {self.data_bytes}-byte region")
 
 
 def check_tensor(spec: KVCacheSpec, layer: int, part: Part, t: torch.Tensor) -> None:
@@ -108,6 +117,14 @@ def check_tensor(spec: KVCacheSpec, layer: int, part: Part, t: torch.Tensor) -> 
     inner = t[0] if t.shape[0] else t
     if not inner.is_contiguous():
         raise LayoutMismatch(f"{where}: each block must be contiguous, strides {t.stride()}")
+
+
+def _as_torch(t: Any, what: str) -> torch.Tensor:
+    if isinstance(t, torch.Tensor):
+        return t
+    if hasattr(t, "__dlpack__"):
+        return torch.from_dlpack(t)
+    raise LayoutMismatch(f"{what} is a {type(t).__name__}: need a torch tensor or a DLPack tensor")
 
 
 class DeviceCache:
@@ -142,20 +159,27 @@ class DeviceCache:
 
     @classmethod
     def create(
-        cls, spec: KVCacheSpec, name: str, device: str | torch.device = "cpu"
+        cls,
+        spec: KVCacheSpec,
+        name: str,
+        device: str | torch.device = "cpu",
+        layout: SegmentLayout | None = None,
     ) -> DeviceCache:
-        """Allocate the cache, zero it, and publish it under ``name`` (this process owns it)."""
-        _check_name(name)
+        """Allocate the cache, zero it, and publish it under ``name`` (this process owns it).
+
+        ``layout`` places the tensors inside a CPU segment (default: ``SegmentLayout.packed``).
+        """
         dev = torch.device(device)
-        path = _segment_path(name, dev.type)
-        fd = _open_exclusive(path, name)
+        if dev.type not in ("cpu", "cuda"):
+            raise DeviceCacheError(f"device type {dev.type!r} not supported: use cpu or cuda")
+        shm.reclaim_orphans()
+        kind = SegmentKind.CPU_CACHE if dev.type == "cpu" else SegmentKind.CUDA_HANDLES
+        path = shm.segment_path(name, kind)
+        fd = shm.create_locked(path, f"device cache {name!r}")
         try:
             if dev.type == "cpu":
-                tensors, segment = _create_cpu(spec, fd, path)
-                cache = cls(
-                    spec, tensors, mode=CacheMode.OWNER, name=name, lock_fd=fd, segment=segment
-                )
-            elif dev.type == "cuda":
+                tensors, segment = _create_cpu(spec, fd, layout or SegmentLayout.packed(spec))
+            else:
                 tensors = [
                     [
                         torch.zeros(
@@ -167,14 +191,13 @@ class DeviceCache:
                     ]
                     for layer in range(spec.total_layers)
                 ]
+                segment = None
                 _write_cuda_handles(fd, spec, tensors)
-                cache = cls(spec, tensors, mode=CacheMode.OWNER, name=name, lock_fd=fd)
-            else:
-                raise DeviceCacheError(f"device type {dev.type!r} not supported: use cpu or cuda")
         except BaseException:
-            _unlink_quietly(path)
+            shm.unlink_quietly(path)
             os.close(fd)
             raise
+        cache = cls(spec, tensors, mode=CacheMode.OWNER, name=name, lock_fd=fd, segment=segment)
         cache._published_path = path
         log.info("created device cache %s (%s, %d bytes)", name, dev, spec.device_bytes)
         return cache
@@ -182,7 +205,6 @@ class DeviceCache:
     @classmethod
     def attach(cls, spec: KVCacheSpec, name: str, device_type: str | None = None) -> DeviceCache:
         """Map a cache that another process created or published under ``name``."""
-        _check_name(name)
         path = _find_published(name, device_type)
         tensors, segment = _attach_path(spec, name, path)
         cache = cls(spec, tensors, mode=CacheMode.ATTACHED, name=name, segment=segment)
@@ -198,15 +220,19 @@ class DeviceCache:
         key_scales: Sequence[Any] | None = None,
         value_scales: Sequence[Any] | None = None,
     ) -> DeviceCache:
-        """Use tensors the engine already has: one list entry per layer (main, then extra)."""
+        """Use tensors the engine already has: one list entry per layer (main, then extra).
+
+        With a fused K|V spec (``kv_layout="fused"``), ``key_caches`` holds the fused tensors.
+        """
         given = {
             Part.KEY: key_caches,
+            Part.KEY_VALUE: key_caches,
             Part.VALUE: value_caches,
             Part.KEY_SCALE: key_scales,
             Part.VALUE_SCALE: value_scales,
         }
         for part, seq in given.items():
-            if part not in spec.parts and seq:
+            if part not in spec.parts and seq and part not in (Part.KEY, Part.KEY_VALUE):
                 raise LayoutMismatch(f"{part.value} tensors given but the spec has no {part.value}")
             if part in spec.parts and (seq is None or len(seq) != spec.total_layers):
                 got = "none" if seq is None else str(len(seq))
@@ -230,18 +256,17 @@ class DeviceCache:
 
     def publish(self, name: str) -> None:
         """Publish wrapped CUDA tensors so a worker can ``attach`` them by ``name``."""
-        _check_name(name)
         if self.mode is not CacheMode.WRAPPED or self.device.type != "cuda":
             raise DeviceCacheError(
                 "publish() shares wrapped CUDA tensors; on CPU create the cache with "
                 "DeviceCache.create so it lives in shared memory"
             )
-        path = _segment_path(name, "cuda")
-        fd = _open_exclusive(path, name)
+        path = shm.segment_path(name, SegmentKind.CUDA_HANDLES)
+        fd = shm.create_locked(path, f"device cache {name!r}")
         try:
             _write_cuda_handles(fd, self.spec, self.tensors)
         except BaseException:
-            _unlink_quietly(path)
+            shm.unlink_quietly(path)
             os.close(fd)
             raise
         self.name, self._lock_fd, self._published_path = name, fd, path
@@ -263,6 +288,13 @@ class DeviceCache:
     def segment(self) -> torch.Tensor | None:
         """The raw uint8 mapping of a CPU shared-memory cache (header page included), else None."""
         return self._segment
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The data region of a CPU segment (after the header page), as uint8."""
+        if self._segment is None:
+            raise DeviceCacheError("only a CPU shared-memory cache has a data region")
+        return self._segment[HEADER_BYTES:]
 
     def tensor(self, layer: int, part: Part) -> torch.Tensor:
         return self.tensors[layer][self.spec.parts.index(part)]
@@ -294,7 +326,8 @@ class DeviceCache:
             raise DeviceCacheError(
                 "a wrapped cache cannot re-attach: wrap the engine's tensors again"
             )
-        assert self.name is not None
+        if self.name is None:
+            raise DeviceCacheError("an unnamed cache cannot re-attach")
         path = self._published_path or _find_published(self.name, self.device.type)
         self._tensors, self._segment = _attach_path(
             self.spec, self.name, path, check_owner=self._lock_fd is None
@@ -307,7 +340,7 @@ class DeviceCache:
         self.detach()
         if self._lock_fd is not None:
             if self._published_path is not None:
-                _unlink_quietly(self._published_path)
+                shm.unlink_quietly(self._published_path)
             os.close(self._lock_fd)
             self._lock_fd = None
             log.info("closed device cache %s and unlinked it", self.name)
@@ -326,46 +359,27 @@ class DeviceCache:
 # ---- published files ------------------------------------------------------------------------
 
 
-def _open_exclusive(path: Path, name: str) -> int:
-    """Create ``path`` exclusively and lock it; reclaim it if a crashed owner left it."""
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            old = os.open(path, os.O_RDWR)
-            try:
-                fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(old)
-                raise DeviceCacheError(
-                    f"device cache {name!r} is owned by a running process; "
-                    "use another instance id or stop that engine"
-                ) from None
-            log.warning("reclaiming device cache %s left by a crashed owner (%s)", name, path)
-            _unlink_quietly(path)
-            os.close(old)
-            continue
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    raise DeviceCacheError(f"could not create {path}: another process keeps re-creating it")
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def _find_published(name: str, device_type: str | None) -> Path:
-    kinds = [device_type] if device_type else ["cpu", "cuda"]
-    for kind in kinds:
-        path = _segment_path(name, kind)
-        if path.exists():
-            return path
-    raise DeviceCacheError(
-        f"no device cache named {name!r} in {SHM_DIR}: start the owner first or check the name"
-    )
+    """The one published file of ``name``; two kinds under one name are refused (shadowing)."""
+    kinds = {
+        "cpu": [SegmentKind.CPU_CACHE],
+        "cuda": [SegmentKind.CUDA_HANDLES],
+        None: [SegmentKind.CPU_CACHE, SegmentKind.CUDA_HANDLES],
+    }.get(device_type)
+    if kinds is None:
+        raise DeviceCacheError(f"device type {device_type!r} not supported: use cpu or cuda")
+    found = [p for p in (shm.segment_path(name, k) for k in kinds) if os.path.lexists(p)]
+    if len(found) > 1:
+        raise DeviceCacheError(
+            f"both {found[0].name} and {found[1].name} exist in {shm.SHM_DIR}: refusing to guess "
+            "which is the device cache; remove the stale one"
+        )
+    if not found:
+        raise DeviceCacheError(
+            f"no device cache named {name!r} in {shm.SHM_DIR}: start the owner first or check "
+            "the name"
+        )
+    return found[0]
 
 
 def _encode_header(meta: dict[str, Any]) -> bytes:
@@ -376,7 +390,7 @@ def _encode_header(meta: dict[str, Any]) -> bytes:
     return head
 
 
-def _read_header(fd: int, path: Path) -> tuple[dict[str, Any], int]:
+def _read_header(fd: int, path: Path) -> dict[str, Any]:
     raw = os.pread(fd, HEADER_BYTES, 0)
     fixed = struct.calcsize(_HEADER_FORMAT)
     if len(raw) < fixed:
@@ -384,7 +398,13 @@ def _read_header(fd: int, path: Path) -> tuple[dict[str, Any], int]:
     magic, version, length = struct.unpack_from(_HEADER_FORMAT, raw)
     if magic != _MAGIC or version != _FORMAT_VERSION or fixed + length > len(raw):
         raise DeviceCacheError(f"{path} is not a kvtier device cache (format {version})")
-    return json.loads(raw[fixed : fixed + length]), fixed + length
+    try:
+        meta = json.loads(raw[fixed : fixed + length])
+    except ValueError as e:
+        raise DeviceCacheError(f"{path} has a malformed header: {e}") from None
+    if not isinstance(meta, dict) or "spec" not in meta or "device" not in meta:
+        raise DeviceCacheError(f"{path} has a malformed header")
+    return meta
 
 
 def _check_spec(spec: KVCacheSpec, meta: dict[str, Any], name: str) -> None:
@@ -398,39 +418,45 @@ def _check_spec(spec: KVCacheSpec, meta: dict[str, Any], name: str) -> None:
 
 
 def _create_cpu(
-    spec: KVCacheSpec, fd: int, path: Path
+    spec: KVCacheSpec, fd: int, layout: SegmentLayout
 ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    layout = _cpu_offsets(spec)
-    total = _align(layout[-1][2] + layout[-1][3])
-    os.ftruncate(fd, total)
-    meta = {"spec": spec.to_dict(), "device": "cpu", "owner_pid": os.getpid(), "bytes": total}
+    layout.check(spec)
+    total = HEADER_BYTES + _align(layout.data_bytes)
+    shm.reserve(fd, total, "the device cache")
+    meta = {
+        "spec": spec.to_dict(),
+        "device": "cpu",
+        "owner_pid": os.getpid(),
+        "bytes": total,
+        "layout": [list(p) for p in layout.pieces],
+        "data_bytes": layout.data_bytes,
+    }
     os.pwrite(fd, _encode_header(meta), 0)
-    segment = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-    tensors = _cpu_views(spec, segment)
-    for row in tensors:
-        for t in row:
-            t.zero_()  # first touch now, not on the first swap
-    return tensors, segment
+    segment = shm.map_descriptor(fd, total)
+    segment[HEADER_BYTES:].zero_()  # first touch now, not on the first swap
+    return _cpu_views(spec, segment, layout), segment
 
 
-def _cpu_views(spec: KVCacheSpec, segment: torch.Tensor) -> list[list[torch.Tensor]]:
+def _cpu_views(
+    spec: KVCacheSpec, segment: torch.Tensor, layout: SegmentLayout
+) -> list[list[torch.Tensor]]:
+    data = segment[HEADER_BYTES:]
     tensors: list[list[torch.Tensor]] = [[] for _ in range(spec.total_layers)]
-    for layer, part, offset, nbytes in _cpu_offsets(spec):
-        raw = segment[offset : offset + nbytes]
-        view = raw.view(spec.torch_dtype(part)).view(
-            spec.part_shape(part, spec.layer_num_blocks(layer))
-        )
-        tensors[layer].append(view)
+    for piece, (offset, stride) in zip(spec.pieces, layout.pieces):
+        dtype = spec.torch_dtype(piece.part)
+        n = spec.layer_num_blocks(piece.layer)
+        raw = data[offset : offset + (n - 1) * stride + piece.size_bytes]
+        shape = spec.part_shape(piece.part, n)
+        inner = [int(np.prod(shape[i + 1 :])) for i in range(1, len(shape))]
+        view = raw.view(dtype).as_strided(shape, [stride // dtype.itemsize, *inner])
+        tensors[piece.layer].append(view)
     return tensors
 
 
 def _write_cuda_handles(fd: int, spec: KVCacheSpec, tensors: list[list[torch.Tensor]]) -> None:
-    from torch.multiprocessing.reductions import reduce_tensor
+    from kvtier.cuda_ipc import encode_handles
 
-    # reduce_tensor records the storage handle *and* the tensor's offset inside it, so a tensor
-    # sub-allocated by the caching allocator is rebuilt at the right address.
-    handles = [[reduce_tensor(t) for t in row] for row in tensors]
-    payload = pickle.dumps(handles)
+    payload = encode_handles([t for row in tensors for t in row])
     meta = {
         "spec": spec.to_dict(),
         "device": str(tensors[0][0].device),
@@ -443,39 +469,47 @@ def _write_cuda_handles(fd: int, spec: KVCacheSpec, tensors: list[list[torch.Ten
     os.pwrite(fd, payload, HEADER_BYTES)
 
 
+MAX_HANDLES_BYTES = 1 << 20
+
+
 def _attach_path(
     spec: KVCacheSpec, name: str, path: Path, check_owner: bool = True
 ) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+    fd = shm.open_checked(path, f"device cache {name!r}")
     try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        raise DeviceCacheError(
-            f"device cache {name!r} is gone ({path}); its owner closed it"
-        ) from None
-    try:
-        if check_owner:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pass  # the owner holds its lock: alive
-            else:
-                raise DeviceCacheError(
-                    f"device cache {name!r} was left by a crashed owner; restart the owner"
-                )
-        meta, _ = _read_header(fd, path)
+        if check_owner and not shm.owner_alive(fd):
+            raise DeviceCacheError(
+                f"device cache {name!r} was left by a crashed owner; restart the owner"
+            )
+        meta = _read_header(fd, path)
         _check_spec(spec, meta, name)
+        size = os.fstat(fd).st_size
         if meta["device"] == "cpu":
-            size = os.fstat(fd).st_size
-            if size < meta["bytes"]:
-                raise DeviceCacheError(f"{path} is truncated: {size} < {meta['bytes']} bytes")
-            segment = torch.from_file(str(path), shared=True, size=meta["bytes"], dtype=torch.uint8)
-            return _cpu_views(spec, segment), segment
-        payload = os.pread(fd, meta["handles_bytes"], HEADER_BYTES)
+            try:
+                layout = SegmentLayout(
+                    tuple((int(o), int(s)) for o, s in meta["layout"]), int(meta["data_bytes"])
+                )
+                total = int(meta["bytes"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise DeviceCacheError(f"{path} has a malformed layout: {e}") from None
+            layout.check(spec)
+            if size < total or total < HEADER_BYTES + layout.data_bytes:
+                raise DeviceCacheError(f"{path} is truncated: {size} < {total} bytes")
+            segment = shm.map_descriptor(fd, total)
+            return _cpu_views(spec, segment, layout), segment
+        length = meta.get("handles_bytes")
+        if not isinstance(length, int) or not 0 < length <= min(MAX_HANDLES_BYTES, size):
+            raise DeviceCacheError(f"{path} has a malformed handle table")
+        payload = os.pread(fd, length, HEADER_BYTES)
     finally:
         os.close(fd)
-    handles = pickle.loads(payload)  # written by the owner, 0600, same user
-    tensors = [[fn(*args) for fn, args in row] for row in handles]
-    for layer, row in enumerate(tensors):
-        for part, t in zip(spec.parts, row):
-            check_tensor(spec, layer, part, t)
+    from kvtier.cuda_ipc import decode_handles
+
+    flat = decode_handles(payload)
+    if len(flat) != len(spec.pieces):
+        raise LayoutMismatch(f"{path} holds {len(flat)} tensors; the spec has {len(spec.pieces)}")
+    tensors: list[list[torch.Tensor]] = [[] for _ in range(spec.total_layers)]
+    for piece, t in zip(spec.pieces, flat):
+        check_tensor(spec, piece.layer, piece.part, t)
+        tensors[piece.layer].append(t)
     return tensors, None

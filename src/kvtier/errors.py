@@ -1,4 +1,25 @@
-"""kvtier's one exception tree: everything kvtier raises derives from KvtierError."""
+"""kvtier's one exception tree: everything kvtier raises derives from KvtierError.
+
+::
+
+    KvtierError
+    ├── ConfigError            a setting is invalid (names the field and the allowed values)
+    ├── InvalidInput           an argument of a call or a task is unusable
+    │   ├── InvalidBlockIds    unequal lengths, an id out of range, a duplicate destination
+    │   └── InvalidBlockHash   a block hash of the wrong length or type
+    ├── LayoutMismatch         tensors or stored data do not match the KVCacheSpec
+    ├── DeviceCacheError       a device cache could not be created, attached or used
+    │   ├── DeviceCacheDetached    (sleeping)
+    │   └── UnsafeFile         a file found by name failed its owner / mode / type check
+    ├── NoFreeBlocks           the engine-side index has no device block it may reuse
+    ├── StorageError           a storage backend failed an operation
+    │   ├── StorageUnavailable     the backend cannot be reached (callers count 0 blocks)
+    │   └── ObjectCorrupt      a stored object failed its checks (a miss)
+    └── WorkerError            a worker could not be started, reached or used
+        ├── WorkerLost         a worker died or stopped answering
+        ├── TaskTimeout        a task was not answered in time
+        └── ProtocolMismatch   the worker speaks another protocol version
+"""
 
 from __future__ import annotations
 
@@ -15,8 +36,16 @@ class ConfigError(KvtierError, ValueError):
         self.field = field
 
 
-class InvalidBlockIds(KvtierError, ValueError):
+class InvalidInput(KvtierError, ValueError):
+    """An argument of a call or a task is unusable (not a setting: the caller passed it)."""
+
+
+class InvalidBlockIds(InvalidInput):
     """Block id lists are unusable: unequal lengths, an id out of range, a duplicate destination."""
+
+
+class InvalidBlockHash(InvalidInput):
+    """A block hash is not bytes of an accepted length."""
 
 
 class LayoutMismatch(KvtierError):
@@ -29,6 +58,14 @@ class DeviceCacheError(KvtierError):
 
 class DeviceCacheDetached(DeviceCacheError):
     """The device cache is detached (sleeping); no block can be read or written."""
+
+
+class UnsafeFile(DeviceCacheError):
+    """A file kvtier opened by name is not ours (owner), is shared (mode) or not a regular file."""
+
+
+class NoFreeBlocks(KvtierError):
+    """Every device block is held by running requests: finish some first."""
 
 
 class StorageError(KvtierError):

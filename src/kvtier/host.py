@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvtier.device import SHM_DIR, _check_name, _open_exclusive, _unlink_quietly
+from kvtier import shm
+from kvtier.checksum import payload_checksum
 from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
+from kvtier.shm import SegmentKind
 from kvtier.spec import KVCacheSpec, Part
 
 log = logging.getLogger(__name__)
@@ -20,6 +23,38 @@ log = logging.getLogger(__name__)
 # one stored object -- is one contiguous range: a single buffer per object for Mooncake and
 # file I/O instead of two (measured: two-buffer gets over TCP ran at 0.6-0.8x).
 HEADER_SLOT_BYTES = 64
+# Pre-touching runs in chunks of this size so that a large pool reports progress.
+TOUCH_CHUNK_BYTES = 1 << 30
+PROGRESS_INTERVAL_S = 2.0
+# Refuse a private pool that would leave less than this much memory to everything else.
+MEMORY_RESERVE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A worker's host pool: engine-addressed blocks, then two private staging ranges.
+
+    Blocks ``0 .. engine_blocks-1`` are the engine's (``swap_out``/``swap_in``/``*_host`` tasks
+    name them); the save and load staging ranges follow, so storage tasks never touch the
+    engine's blocks and a save and a load can run at once.
+    """
+
+    engine_blocks: int
+    staging_blocks: int
+
+    @property
+    def total_blocks(self) -> int:
+        return self.engine_blocks + 2 * self.staging_blocks
+
+    @property
+    def save_staging(self) -> np.ndarray:
+        first = self.engine_blocks
+        return np.arange(first, first + self.staging_blocks, dtype=np.int64)
+
+    @property
+    def load_staging(self) -> np.ndarray:
+        first = self.engine_blocks + self.staging_blocks
+        return np.arange(first, first + self.staging_blocks, dtype=np.int64)
 
 
 class HostPool:
@@ -30,10 +65,11 @@ class HostPool:
     ``stride_bytes`` apart: each is preceded by a ``HEADER_SLOT_BYTES`` slot where storage
     backends build the object header (``object_view``).
     The slab is allocated once and zeroed at construction (first touch of fresh memory runs at
-    2-4 GB/s here, warm memory at 13-16), so no transfer ever pays for page faults.
+    2-4 GB/s here, warm memory at 13-16), so no transfer ever pays for page faults; a pool larger
+    than the memory available is refused before anything is allocated.
 
-    ``shared_name`` backs the slab with a /dev/shm file another process can map read-only or
-    read-write with ``HostPool.open_shared``; the creating pool unlinks it on ``close``.
+    ``shared_name`` backs the slab with a /dev/shm file another process can map with
+    ``HostPool.open_shared``; the creating pool unlinks it on ``close``.
     Views are safe to use from several threads as long as no two writers touch one block.
     """
 
@@ -53,25 +89,29 @@ class HostPool:
         self.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
         self.size_bytes = num_blocks * self.stride_bytes
         self._lock_fd: int | None = None
-        self._path: Path | None = None
+        self._path = None
         self.pinned = False
         want_pin = torch.cuda.is_available() if pin is None else pin
         if shared_name is not None:
-            _check_name(shared_name)
-            self._path = SHM_DIR / f"{shared_name}.hostpool"
-            self._lock_fd = _open_exclusive(self._path, shared_name)
-            os.ftruncate(self._lock_fd, self.size_bytes)
-            flat = torch.from_file(
-                str(self._path), shared=True, size=self.size_bytes, dtype=torch.uint8
-            )
+            self._path = shm.segment_path(shared_name, SegmentKind.HOST_POOL)
+            self._lock_fd = shm.create_locked(self._path, f"host pool {shared_name!r}")
+            try:
+                shm.reserve(self._lock_fd, self.size_bytes, "the host pool")
+                flat = shm.map_descriptor(self._lock_fd, self.size_bytes)
+            except BaseException:
+                shm.unlink_quietly(self._path)
+                os.close(self._lock_fd)
+                raise
             if want_pin:
                 self.pinned = _register_pinned(flat)
-        elif want_pin:
-            flat = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=True)
-            self.pinned = True
         else:
-            flat = torch.empty(self.size_bytes, dtype=torch.uint8)
-        flat.zero_()  # pre-touch: every page faulted in now
+            check_memory_available(self.size_bytes, "num_host_blocks")
+            if want_pin:
+                flat = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=True)
+                self.pinned = True
+            else:
+                flat = torch.empty(self.size_bytes, dtype=torch.uint8)
+        _pre_touch(flat)
         self._set_flat(flat)
         log.info(
             "host pool: %d blocks x %d bytes = %.2f GiB%s%s",
@@ -85,28 +125,24 @@ class HostPool:
     @classmethod
     def open_shared(cls, spec: KVCacheSpec, shared_name: str, num_blocks: int) -> HostPool:
         """Map a pool another process created with ``shared_name``."""
-        _check_name(shared_name)
-        path = SHM_DIR / f"{shared_name}.hostpool"
+        path = shm.segment_path(shared_name, SegmentKind.HOST_POOL)
         want = num_blocks * (HEADER_SLOT_BYTES + spec.block_bytes)
+        fd = shm.open_checked(path, f"host pool {shared_name!r}")
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise DeviceCacheError(f"no host pool named {shared_name!r} in {SHM_DIR}") from None
-        if size != want:
-            raise DeviceCacheError(
-                f"host pool {shared_name!r} holds {size} bytes; {num_blocks} blocks of this "
-                f"spec need {want}"
-            )
+            size = os.fstat(fd).st_size
+            if size != want:
+                raise DeviceCacheError(
+                    f"host pool {shared_name!r} holds {size} bytes; {num_blocks} blocks of this "
+                    f"spec need {want}"
+                )
+            flat = shm.map_descriptor(fd, want)
+        finally:
+            os.close(fd)
         pool = cls.__new__(cls)
-        pool.spec, pool.num_blocks, pool.block_bytes, pool.size_bytes = (
-            spec,
-            num_blocks,
-            spec.block_bytes,
-            want,
-        )
+        pool.spec, pool.num_blocks, pool.block_bytes = spec, num_blocks, spec.block_bytes
+        pool.size_bytes = want
         pool.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
         pool._lock_fd, pool._path, pool.pinned = None, None, False
-        flat = torch.from_file(str(path), shared=True, size=want, dtype=torch.uint8)
         pool._set_flat(flat)
         return pool
 
@@ -117,7 +153,8 @@ class HostPool:
             (self.num_blocks, self.block_bytes), (self.stride_bytes, 1), HEADER_SLOT_BYTES
         )
         self.objects = flat.view(self.num_blocks, self.stride_bytes)
-        self._init_checksums()
+        self._checksums = np.zeros(self.num_blocks, dtype=np.uint64)
+        self._checksum_known = np.zeros(self.num_blocks, dtype=bool)
 
     # ---- checksums --------------------------------------------------------------------------
     #
@@ -126,10 +163,6 @@ class HostPool:
     # stored checksum and the copier verifies the bytes while it moves them on. A block written
     # any other way has no known checksum. A stale value (someone wrote into the block behind
     # kvtier's back) can only make a stored object fail its check later: a miss, never bad data.
-
-    def _init_checksums(self) -> None:
-        self._checksums = np.zeros(self.num_blocks, dtype=np.uint64)
-        self._checksum_known = np.zeros(self.num_blocks, dtype=bool)
 
     def set_checksums(self, block_ids: np.ndarray, checksums: np.ndarray) -> None:
         self._checksums[block_ids] = checksums
@@ -144,16 +177,21 @@ class HostPool:
         values, known = self._checksums[ids], self._checksum_known[ids]
         return [int(v) if k else None for v, k in zip(values.tolist(), known.tolist())]
 
-    def compute_checksums(self, block_ids: np.ndarray) -> np.ndarray:
-        """Hash blocks now (a pass over their bytes) and record the result."""
-        from kvtier.storage.format import payload_checksum
+    def expected_checksums(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(recorded checksums, known flags) of ``block_ids``, as arrays (for verification)."""
+        return self._checksums[block_ids], self._checksum_known[block_ids]
 
+    def checksums_match(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """Per block: is a checksum recorded, and does it equal ``hashes[i]``?"""
+        expected, known = self.expected_checksums(block_ids)
+        return known & (expected == hashes)
+
+    def compute_checksums(self, block_ids: np.ndarray) -> np.ndarray:
+        """Hash blocks now (a pass over their bytes); returns them without recording them."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        values = np.array(
+        return np.array(
             [payload_checksum(self.slab[i].numpy()) for i in ids.tolist()], dtype=np.uint64
         )
-        self.set_checksums(ids, values)
-        return values
 
     # ---- views ------------------------------------------------------------------------------
 
@@ -200,7 +238,7 @@ class HostPool:
 
     def memoryview(self, block_id: int) -> memoryview:
         """A writable buffer over one block, for file and socket I/O without copies."""
-        return memoryview(self.block(block_id).numpy()).cast("B")
+        return memoryview(self.block(block_id).numpy()).cast("B")  # type: ignore[arg-type]
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -213,7 +251,7 @@ class HostPool:
         self.objects = self.flat.view(0, self.stride_bytes)
         if self._lock_fd is not None:
             if self._path is not None:
-                _unlink_quietly(self._path)
+                shm.unlink_quietly(self._path)
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -222,6 +260,47 @@ class HostPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory_available(size_bytes: int, field: str) -> None:
+    """ConfigError naming ``field`` when ``size_bytes`` would not fit in available memory."""
+    available = available_memory_bytes()
+    if available is not None and size_bytes > available - MEMORY_RESERVE_BYTES:
+        raise ConfigError(
+            field,
+            f"needs {size_bytes / 2**30:.2f} GiB of host memory but only "
+            f"{available / 2**30:.2f} GiB is available: use fewer blocks",
+        )
+
+
+def _pre_touch(flat: torch.Tensor) -> None:
+    """Zero the slab chunk by chunk, logging progress every few seconds for a large pool."""
+    total = flat.numel()
+    start = last = time.monotonic()
+    for offset in range(0, total, TOUCH_CHUNK_BYTES):
+        flat[offset : offset + TOUCH_CHUNK_BYTES].zero_()
+        now = time.monotonic()
+        if now - last >= PROGRESS_INTERVAL_S:
+            last = now
+            done = min(total, offset + TOUCH_CHUNK_BYTES)
+            log.info(
+                "host pool: pre-touched %.1f of %.1f GiB (%.1f GB/s)",
+                done / 2**30,
+                total / 2**30,
+                done / (now - start) / 1e9,
+            )
 
 
 def _register_pinned(flat: torch.Tensor) -> bool:

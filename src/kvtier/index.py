@@ -22,12 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, InvalidInput, NoFreeBlocks
 from kvtier.keys import block_hashes
-
-
-class NoFreeBlocks(KvtierError):
-    """Every device block is held by running requests: finish some first."""
 
 
 class WritePolicy(str, Enum):
@@ -64,6 +60,25 @@ class _Pool:
         self.cached[block_id] = block_hash
 
 
+@dataclass(frozen=True)
+class SwapOutEviction:
+    """Move a device block to a host block before the device block is reused."""
+
+    device_block_id: int
+    host_block_id: int
+
+
+@dataclass(frozen=True)
+class SaveHostEviction:
+    """Write a host block back to storage (write-back) before the host block is reused."""
+
+    block_hash: bytes
+    host_block_id: int
+
+
+Eviction = SwapOutEviction | SaveHostEviction
+
+
 @dataclass
 class Plan:
     """What the engine does for one request, in this order."""
@@ -74,9 +89,8 @@ class Plan:
     block_size: int
     block_table: list[int]  # device block of every full block of the request
     sources: list[Tier]  # where each full block comes from
-    # Evictions, in the order they must run: ("save_host", hash, host) writes a host block back
-    # to storage before it is reused; ("swap_out", device, host) moves a device block to host.
-    evictions: list[tuple[str, bytes | int, int]] = field(default_factory=list)
+    # Evictions, in the order they must run (a later one may reuse a block an earlier one freed).
+    evictions: list[Eviction] = field(default_factory=list)
     swap_ins: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     loads: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, device), in order
 
@@ -124,7 +138,7 @@ class CacheIndex:
     def plan(self, request_id: str, token_ids: Sequence[int]) -> Plan:
         """Match the longest cached prefix across tiers and reserve device blocks for all."""
         if request_id in self.requests:
-            raise ConfigError("request_id", f"{request_id!r} is already running")
+            raise InvalidInput(f"request {request_id!r} is already running")
         hashes = block_hashes(list(token_ids), self.block_size)
         self._check_room(request_id, hashes)  # before anything changes: a plan never half-fails
         plan = Plan(request_id, hashes, len(token_ids), self.block_size, [], [])
@@ -189,7 +203,7 @@ class CacheIndex:
             if host is not None:  # swap the victim out to host before its block is reused
                 victim.host = host
                 self.host.touch(host, victim_hash)
-                plan.evictions.append(("swap_out", device, host))
+                plan.evictions.append(SwapOutEviction(device, host))
         self._forget_if_nowhere(victim)
         return device
 
@@ -202,7 +216,7 @@ class CacheIndex:
         victim = self.blocks[victim_hash]
         victim.host = None
         if self.write_policy is WritePolicy.WRITE_BACK and self.use_storage and not victim.stored:
-            plan.evictions.append(("save_host", victim_hash, host))  # before the block is reused
+            plan.evictions.append(SaveHostEviction(victim_hash, host))  # before the host is reused
             victim.stored = True  # optimistic; apply_save_host(ok=False) takes it back
         self._forget_if_nowhere(victim)
         return host

@@ -11,13 +11,19 @@ Hash encoding (version 1), for each *full* block of ``block_size`` tokens::
 Extra keys are per block (multimodal item hashes, a LoRA name, a cache salt): ``str`` items are
 UTF-8 encoded, ``bytes`` taken as they are. A trailing partial block has no hash. Hashes are the
 full 32 bytes and are never truncated.
+
+Engines that hash blocks themselves (vLLM: sha256 -> 32 bytes, xxhash -> 16) pass their hashes
+as they are: a storage key accepts any hash of ``MIN_HASH_BYTES``..``MAX_HASH_BYTES`` bytes. The
+hash algorithm then belongs in the namespace, so hashes of two algorithms never share keys.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,11 +32,15 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidBlockHash, InvalidInput
 
 log = logging.getLogger(__name__)
 
 HASH_BYTES = 32
+MIN_HASH_BYTES = 16
+MAX_HASH_BYTES = 64
+MAX_FIELD_CHARS = 128  # namespace, version: bounded so that keys stay small
+VERSION_FILE_MAX_BYTES = 4096
 ROOT_PARENT = bytes(HASH_BYTES)
 _DOMAIN = b"kvtier-block-v1\0"
 KEY_SCHEME = "kv1"
@@ -53,18 +63,18 @@ def block_hashes(
     sequence). ``extra``, when given, holds one sequence of extra keys per full block.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ConfigError("block_size", f"must be a positive integer, got {block_size!r}")
+        raise InvalidInput(f"block_size must be a positive integer, got {block_size!r}")
     if parent is None:
         parent = ROOT_PARENT
     if len(parent) != HASH_BYTES:
-        raise ConfigError("parent", f"must be a {HASH_BYTES}-byte block hash, got {len(parent)}")
+        raise InvalidBlockHash(f"parent must be a {HASH_BYTES}-byte block hash, got {len(parent)}")
     tokens = np.asarray(token_ids)
     if tokens.size and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
-        raise ConfigError("token_ids", "must be a flat sequence of integers")
+        raise InvalidInput("token_ids must be a flat sequence of integers")
     encoded = tokens.astype("<i8", copy=False).tobytes()
     num_full = tokens.size // block_size
     if extra and len(extra) != num_full:
-        raise ConfigError("extra", f"need one entry per full block ({num_full}), got {len(extra)}")
+        raise InvalidInput(f"extra: need one entry per full block ({num_full}), got {len(extra)}")
     step = block_size * 8
     size_field = struct.pack("<I", block_size)
     hashes = []
@@ -101,8 +111,17 @@ class KeyScheme:
     def __post_init__(self) -> None:
         for field in ("namespace", "version", "fingerprint"):
             value = getattr(self, field)
-            if not isinstance(value, str) or re.search(r"[:\s]", value):
-                raise ConfigError(field, f"must be text without ':' or whitespace, got {value!r}")
+            if (
+                not isinstance(value, str)
+                or re.search(r"[:\s]", value)
+                or len(value) > MAX_FIELD_CHARS
+            ):
+                shown = value[:40] if isinstance(value, str) else value
+                raise ConfigError(
+                    field,
+                    f"must be text of at most {MAX_FIELD_CHARS} characters without ':' or "
+                    f"whitespace, got {shown!r}",
+                )
         if not self.namespace:
             raise ConfigError("namespace", "must not be empty (use the model id)")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -110,8 +129,7 @@ class KeyScheme:
 
     def key(self, block_hash: bytes) -> str:
         """``kv1:{namespace}:{version}:{fingerprint}:{hash hex}:{rank}``."""
-        if len(block_hash) != HASH_BYTES:
-            raise ConfigError("block_hash", f"must be {HASH_BYTES} bytes, got {len(block_hash)}")
+        check_block_hash(block_hash)
         return ":".join(
             (
                 KEY_SCHEME,
@@ -124,10 +142,37 @@ class KeyScheme:
         )
 
     def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        for i, h in enumerate(block_hashes):
+            check_block_hash(h, i)
         return [self.key(h) for h in block_hashes]
 
     def with_version(self, version: str) -> KeyScheme:
         return KeyScheme(self.namespace, self.fingerprint, self.rank, version)
+
+
+def check_block_hash(block_hash: object, index: int | None = None) -> None:
+    """InvalidBlockHash unless ``block_hash`` is bytes of an accepted length."""
+    where = "block hash" if index is None else f"block hash {index}"
+    if not isinstance(block_hash, bytes):
+        raise InvalidBlockHash(f"{where} must be bytes, got {type(block_hash).__name__}")
+    if not MIN_HASH_BYTES <= len(block_hash) <= MAX_HASH_BYTES:
+        raise InvalidBlockHash(
+            f"{where} has {len(block_hash)} bytes, need {MIN_HASH_BYTES}..{MAX_HASH_BYTES}"
+        )
+
+
+def _read_small_file(path: Path, limit: int) -> str:
+    """At most ``limit`` bytes of a regular file; never blocks (a FIFO is refused)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than {limit}")
+        return os.read(fd, limit).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
 
 
 def read_weight_version(model_dir: str | Path | None) -> str:
@@ -139,17 +184,19 @@ def read_weight_version(model_dir: str | Path | None) -> str:
         return ""
     path = Path(model_dir) / VERSION_FILE
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-        text = str(data["version"]).strip()
+        data = yaml.safe_load(_read_small_file(path, VERSION_FILE_MAX_BYTES))
+        value = data.get("version") if isinstance(data, dict) else None
+        if not isinstance(value, (str, int)):
+            raise ValueError("no 'version: RL-STEP<n>-...' line")
+        text = str(value).strip()
         match = _VERSION_RE.match(text)
         if not match:
-            raise ValueError(f"version {text!r} is not RL-STEP<n>-<timestamp>-<uuid>")
+            raise ValueError(f"version {text[:40]!r} is not RL-STEP<n>-<timestamp>-<uuid>")
         return match.group(1)
     except FileNotFoundError:
         problem = "missing"
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
-        problem = f"malformed ({e})"
+    except (OSError, yaml.YAMLError, ValueError) as e:
+        problem = f"malformed ({str(e)[:200]})"
     if str(path) not in _warned_version_paths:
         _warned_version_paths.add(str(path))
         log.warning("weight version file %s is %s: using an empty version", path, problem)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -29,12 +29,27 @@ class CacheDType(str, Enum):
 
 
 class Part(str, Enum):
-    """One tensor of a layer: keys, values, and (fp8 only) their scales."""
+    """One tensor of a layer: keys, values, and (fp8 only) their scales; or K|V fused."""
 
     KEY = "key"
     VALUE = "value"
     KEY_SCALE = "key_scale"
     VALUE_SCALE = "value_scale"
+    KEY_VALUE = "key_value"  # one tensor per layer holding K and V: [N, H, B, 2 * head_dim]
+
+
+class KVLayout(str, Enum):
+    """How a layer's K and V are laid out in device memory.
+
+    ``separate``: one K and one V tensor per layer, each [num_blocks, heads, block_size, head_dim].
+    ``fused``: one tensor per layer, [num_blocks, heads, block_size, 2 * head_dim], whose inner
+    byte order is the engine's (vLLM 0.32's CPU and GPU backends differ): ``engine_layout`` names
+    it, and both are part of the fingerprint, so objects of one byte order are never read as
+    another.
+    """
+
+    SEPARATE = "separate"
+    FUSED = "fused"
 
 
 SCALE_DTYPES = ("bfloat16", "float16", "float32")
@@ -59,6 +74,9 @@ _LAYOUT_FIELDS = (
     "scale_dtype",
     "has_value",
 )
+# Left out of the fingerprint at their defaults, so that objects stored before they existed
+# keep their fingerprint.
+_OPTIONAL_LAYOUT_FIELDS = {"kv_layout": "separate", "engine_layout": ""}
 FINGERPRINT_VERSION = 1
 
 
@@ -97,6 +115,8 @@ class KVCacheSpec:
     has_value: bool = True
     num_extra_layers: int = 0
     num_extra_blocks: int | None = None
+    kv_layout: KVLayout = KVLayout.SEPARATE
+    engine_layout: str = ""  # names the engine's byte order inside a block, e.g. "vllm-cpu"
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_blocks", "num_kv_heads", "block_size", "head_dim"):
@@ -119,6 +139,24 @@ class KVCacheSpec:
             _check_positive_int("num_extra_blocks", self.num_extra_blocks)
         if self.num_extra_blocks is None or extra == 0:
             object.__setattr__(self, "num_extra_blocks", self.num_blocks if extra else None)
+        try:
+            kv_layout = KVLayout(self.kv_layout)
+        except ValueError:
+            raise ConfigError(
+                "kv_layout", f"got {self.kv_layout!r}; allowed: separate, fused"
+            ) from None
+        object.__setattr__(self, "kv_layout", kv_layout)
+        if kv_layout is KVLayout.FUSED and (not self.has_value or self.has_scales):
+            raise ConfigError(
+                "kv_layout", "fused K|V needs has_value=true and a dtype without scales"
+            )
+        if not isinstance(self.engine_layout, str) or not re.fullmatch(
+            r"[A-Za-z0-9_.-]{0,64}", self.engine_layout
+        ):
+            raise ConfigError(
+                "engine_layout",
+                f"must be up to 64 letters, digits, '._-', got {self.engine_layout!r}",
+            )
 
     # ---- shapes and sizes -------------------------------------------------------------------
 
@@ -134,6 +172,8 @@ class KVCacheSpec:
     @property
     def parts(self) -> tuple[Part, ...]:
         """The tensors of one layer, in page-first order."""
+        if self.kv_layout is KVLayout.FUSED:
+            return (Part.KEY_VALUE,)
         parts = [Part.KEY]
         if self.has_value:
             parts.append(Part.VALUE)
@@ -167,6 +207,8 @@ class KVCacheSpec:
         n = self.num_blocks if num_blocks is None else num_blocks
         if part in (Part.KEY_SCALE, Part.VALUE_SCALE):
             return (n, self.num_kv_heads, self.block_size)
+        if part is Part.KEY_VALUE:
+            return (n, self.num_kv_heads, self.block_size, 2 * self.head_dim)
         return (n, self.num_kv_heads, self.block_size, self.head_dim)
 
     def part_block_bytes(self, part: Part) -> int:
@@ -174,6 +216,8 @@ class KVCacheSpec:
         elements = self.num_kv_heads * self.block_size
         if part in (Part.KEY, Part.VALUE):
             elements *= self.head_dim
+        elif part is Part.KEY_VALUE:
+            elements *= 2 * self.head_dim
         return elements * self.torch_dtype(part).itemsize
 
     @property
@@ -217,6 +261,11 @@ class KVCacheSpec:
         d["dtype"] = self.dtype.value
         if not self.has_scales:
             d["scale_dtype"] = None  # irrelevant without scales; must not split fingerprints
+        for name, default in _OPTIONAL_LAYOUT_FIELDS.items():
+            value = getattr(self, name)
+            value = value.value if isinstance(value, Enum) else value
+            if value != default:
+                d[name] = value
         return d
 
     @property
@@ -224,7 +273,8 @@ class KVCacheSpec:
         """16 hex digits naming the page-first block layout; stable across machines/versions.
 
         Covers every field that changes the bytes of a block (layers, extra layers, heads,
-        block size, head dim, dtypes, K/V or K only), not the block counts.
+        block size, head dim, dtypes, K/V or K only, fused K|V and the engine's byte order), not
+        the block counts.
         """
         canonical = json.dumps(
             {"v": FINGERPRINT_VERSION, **self.layout_dict()}, sort_keys=True, separators=(",", ":")
@@ -234,6 +284,7 @@ class KVCacheSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["dtype"] = self.dtype.value
+        d["kv_layout"] = self.kv_layout.value
         return d
 
     def differences(self, other: KVCacheSpec) -> list[str]:
@@ -273,71 +324,8 @@ class KVCacheSpec:
 
     @classmethod
     def from_flags(cls, argv: Sequence[str]) -> KVCacheSpec:
-        """Build from the old engine's flags (``--key_cache_shape N,H,B,D`` and friends)."""
-        args, _ = legacy_flag_parser().parse_known_args(list(argv))
-        return cls.from_legacy_args(args)
+        """Build from the old engine's flags (``--key_cache_shape N,H,B,D`` and friends); see
+        ``kvtier.legacy_flags``."""
+        from kvtier.legacy_flags import spec_from_flags
 
-    @classmethod
-    def from_legacy_args(cls, args: argparse.Namespace) -> KVCacheSpec:
-        key_shape = _parse_shape("key_cache_shape", args.key_cache_shape)
-        value_raw = args.value_cache_shape
-        has_value = bool(value_raw and value_raw.strip())
-        if has_value:
-            value_shape = _parse_shape("value_cache_shape", value_raw)
-            if value_shape != key_shape:
-                raise ConfigError(
-                    "value_cache_shape",
-                    f"{value_raw} differs from key_cache_shape {args.key_cache_shape}; "
-                    "kvtier needs K and V of one shape (leave it empty for MLA)",
-                )
-        num_blocks, heads, block_size, head_dim = key_shape
-        extra_blocks = args.num_extra_layer_gpu_blocks
-        if args.num_extra_layers and extra_blocks is None and args.extra_layer_block_ratio:
-            if args.extra_layer_block_ratio <= 0:
-                raise ConfigError("extra_layer_block_ratio", "must be > 0")
-            extra_blocks = int(num_blocks * args.extra_layer_block_ratio)
-        return cls(
-            num_layers=args.num_layers,
-            num_blocks=num_blocks,
-            num_kv_heads=heads,
-            block_size=block_size,
-            head_dim=head_dim,
-            dtype=args.cache_dtype,
-            scale_dtype=args.scale_dtype,
-            has_value=has_value,
-            num_extra_layers=args.num_extra_layers,
-            num_extra_blocks=extra_blocks if args.num_extra_layers else None,
-        )
-
-
-def legacy_flag_parser(parser=None, required: bool = True):
-    """Add the old engine's cache flags to ``parser`` (or a new one) and return it."""
-    p = parser or argparse.ArgumentParser(add_help=False)
-    p.add_argument("--key_cache_shape", required=required, help="N,H,B,D of each key cache")
-    p.add_argument("--value_cache_shape", default="", help="N,H,B,D; empty for MLA (K only)")
-    p.add_argument(
-        "--cache_dtype",
-        default="bfloat16",
-        help="bfloat16|float16|float32|uint8|block_wise_fp8",
-    )
-    p.add_argument("--scale_dtype", default="bfloat16", help="dtype of fp8 scales")
-    p.add_argument("--num_layers", type=int, required=required)
-    p.add_argument("--num_extra_layers", type=int, default=0, help="MTP / draft layers")
-    p.add_argument("--num_extra_layer_gpu_blocks", type=int, default=None)
-    p.add_argument(
-        "--extra_layer_block_ratio",
-        type=float,
-        default=None,
-        help="extra-layer blocks = num_blocks x ratio (when no explicit count)",
-    )
-    return p
-
-
-def _parse_shape(field: str, text: str) -> tuple[int, int, int, int]:
-    try:
-        dims = tuple(int(x) for x in str(text).split(","))
-    except ValueError:
-        raise ConfigError(field, f"expected N,H,B,D (four integers), got {text!r}") from None
-    if len(dims) != 4 or any(d <= 0 for d in dims):
-        raise ConfigError(field, f"expected N,H,B,D (four positive integers), got {text!r}")
-    return dims  # type: ignore[return-value]
+        return spec_from_flags(argv)

@@ -1,18 +1,26 @@
 """Task and result messages between the engine's Client and the workers (msgspec, msgpack).
 
 Every data task carries a ``task_id`` and is answered exactly once with a ``Result``. Storage
-tasks name blocks by their chained block hashes (``kvtier.keys.block_hashes``); the worker turns
-them into storage keys with its own namespace, weight version, layout fingerprint and rank.
+tasks name blocks by their chained block hashes (``kvtier.keys.block_hashes``, or an engine's own
+hashes of 16..64 bytes); the worker turns them into storage keys with its own namespace, weight
+version, layout fingerprint and rank.
+
+Messages are built by keyword (``SwapOut(device_block_ids=[1], host_block_ids=[0])``); the
+client assigns ``task_id`` when it submits. Every field has a bounded, shallow type: a decoded
+message can never nest deeper than three levels, whatever a peer sends.
 """
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# Bounds on what one message may carry; a message beyond them is refused before it is decoded.
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_IDS_PER_TASK = 1 << 20
 
 
 class Status(str, Enum):
@@ -46,85 +54,99 @@ class ControlMethod(str, Enum):
     STATS = "stats"
 
 
-class Code:
+class Code(IntEnum):
     """Control answers, HTTP-style."""
 
+    NONE = 0  # not a control task
     OK = 200
     BAD_REQUEST = 400  # unknown method or bad arguments
     CONFLICT = 409  # not allowed in the current state
     FAILED = 500  # the handler raised
 
 
-class SwapOut(msgspec.Struct, tag="swap_out", frozen=True):
-    task_id: int
+Scalar = str | int | float | bool | None
+# Stats and control answers: at most three levels (e.g. tasks -> kind -> counter).
+Data = dict[str, Scalar | dict[str, Scalar | dict[str, int]]]
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    pass
+
+
+class SwapOut(_Message, tag="swap_out", kw_only=True):
+    task_id: int = 0
     device_block_ids: list[int]
     host_block_ids: list[int]
 
 
-class SwapIn(msgspec.Struct, tag="swap_in", frozen=True):
-    task_id: int
+class SwapIn(_Message, tag="swap_in", kw_only=True):
+    task_id: int = 0
     host_block_ids: list[int]
     device_block_ids: list[int]
 
 
-class Save(msgspec.Struct, tag="save", frozen=True):
+class Save(_Message, tag="save", kw_only=True):
     """Device -> storage, skipping the already-stored prefix."""
 
-    task_id: int
+    task_id: int = 0
     block_hashes: list[bytes]
     device_block_ids: list[int]
 
 
-class Load(msgspec.Struct, tag="load", frozen=True):
+class Load(_Message, tag="load", kw_only=True):
     """Storage -> device: the longest stored prefix, cut at the first block that fails."""
 
-    task_id: int
+    task_id: int = 0
     block_hashes: list[bytes]
     device_block_ids: list[int]
 
 
-class SaveHost(msgspec.Struct, tag="save_host", frozen=True):
-    task_id: int
+class SaveHost(_Message, tag="save_host", kw_only=True):
+    task_id: int = 0
     block_hashes: list[bytes]
     host_block_ids: list[int]
 
 
-class LoadHost(msgspec.Struct, tag="load_host", frozen=True):
-    task_id: int
+class LoadHost(_Message, tag="load_host", kw_only=True):
+    task_id: int = 0
     block_hashes: list[bytes]
     host_block_ids: list[int]
 
 
-class Lookup(msgspec.Struct, tag="lookup", frozen=True):
+class Lookup(_Message, tag="lookup", kw_only=True):
     """How many leading blocks are stored."""
 
-    task_id: int
+    task_id: int = 0
     block_hashes: list[bytes]
 
 
-class Control(msgspec.Struct, tag="control", frozen=True):
-    task_id: int
+class Control(_Message, tag="control", kw_only=True):
+    task_id: int = 0
     method: str
-    args: dict[str, Any] = {}
+    args: dict[str, Scalar] = {}
 
 
-class Hello(msgspec.Struct, tag="hello", frozen=True):
+class Hello(_Message, tag="hello", kw_only=True):
     protocol_version: int
     client_id: str = ""
 
 
-class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+class Heartbeat(_Message, tag="heartbeat", kw_only=True):
     sent_at: float
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
-    task_id: int
+class Shutdown(_Message, tag="shutdown", kw_only=True):
+    task_id: int = 0
 
 
-class Result(msgspec.Struct, tag="result", frozen=True):
-    """The one answer to a task. ``blocks``: swap tasks, the device (swap_out: host) ids done;
-    load/save, the ids whose blocks now hold correct data (a prefix); lookup, empty and the
-    count in ``count``. ``code`` answers control tasks; ``data`` carries stats."""
+class Result(_Message, tag="result", kw_only=True):
+    """The one answer to a task.
+
+    ``blocks``: swap tasks, the device (swap_out: host) ids done; load/save, the ids whose blocks
+    now hold correct data (a prefix); lookup, empty and the count in ``count``. ``code`` answers
+    control tasks; ``data`` carries stats and control details. ``bytes_moved`` counts bytes
+    actually copied or transferred (a skipped, already-stored block moves nothing).
+    """
 
     task_id: int
     status: Status
@@ -133,12 +155,12 @@ class Result(msgspec.Struct, tag="result", frozen=True):
     bytes_moved: int = 0
     seconds: float = 0.0
     message: str = ""
-    code: int = 0
+    code: Code = Code.NONE
     rank: int = -1
-    data: dict[str, Any] = {}
+    data: Data = {}
 
 
-class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+class Welcome(_Message, tag="welcome", kw_only=True):
     """The worker's answer to Hello."""
 
     protocol_version: int
@@ -186,9 +208,31 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    """Raises msgspec.DecodeError / ValidationError on garbage; callers log and drop."""
-    return _decoder.decode(data)
+    """Raises msgspec.DecodeError / ValidationError on anything that is not a message.
+
+    A value nested deeper than the interpreter's recursion limit (in a field the schema skips)
+    is a DecodeError too: no single message can take down the loop that decodes it.
+    """
+    try:
+        return _decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("message nested too deeply") from None
+
+
+def peek_task_id(data: bytes) -> int | None:
+    """The ``task_id`` of a message that failed to decode, if one can be read safely.
+
+    Only a top-level map is looked at, with every value decoded as an opaque raw slice, so a
+    malformed message of any depth costs one shallow pass.
+    """
+    try:
+        raw = msgspec.msgpack.decode(data, type=dict[str, msgspec.Raw])
+        task_id = msgspec.msgpack.decode(raw["task_id"], type=int)
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError, RecursionError):
+        return None
+    return task_id if isinstance(task_id, int) and not isinstance(task_id, bool) else None
 
 
 def task_name(task: Any) -> str:
-    return type(task).__struct_config__.tag if hasattr(type(task), "__struct_config__") else "?"
+    config = getattr(type(task), "__struct_config__", None)
+    return str(config.tag) if config is not None else "?"

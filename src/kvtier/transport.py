@@ -1,20 +1,116 @@
-"""ZeroMQ plumbing shared by the worker and the client: per-thread inproc senders."""
+"""Transports: how encoded messages travel between a Client and its workers.
+
+Two seams, each with two implementations chosen by the endpoint's scheme:
+
+- ``ServerTransport`` (the worker's end): ``receive`` waits for messages from any peer (loop
+  thread only); ``send`` answers a peer from any thread.
+- ``ClientTransport`` (the engine's end): one connection per rank; ``receive`` and ``send`` from
+  the client's I/O thread only; ``wake`` (any thread) makes a pending ``receive`` return.
+
+``ipc://`` and ``tcp://`` endpoints use ZeroMQ (ROUTER / DEALER). ``local://NAME`` is an
+in-process pair of queues: a worker and a client in one process, for tests and single-process
+engines, with the same message flow and none of the sockets.
+
+Bounds: a ZeroMQ socket drops any message larger than ``MAX_MESSAGE_BYTES`` before it is read;
+high-water marks are raised deliberately (pipelining past the default 1000 made ROUTER drop
+replies silently in the design we replace) and both sides bound their windows far below them.
+"""
 
 from __future__ import annotations
 
+import queue
 import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import zmq
 
-# The old design's hazard: pipelining past the high-water mark makes ROUTER drop replies
-# silently. Both sides bound their windows far below this, and raise it deliberately.
+from kvtier.config import LOCAL_SCHEME
+from kvtier.tasks import MAX_MESSAGE_BYTES
+
 HWM_MESSAGES = 100_000
+LINGER_MS = 1000
+
+Peer = bytes
+
+
+class ServerTransport(ABC):
+    """A worker's end. Not usable before ``open`` or after ``close``."""
+
+    @abstractmethod
+    def open(self) -> None:
+        """Bind; raises WorkerError when the endpoint cannot be bound."""
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> list[tuple[Peer, bytes]]:
+        """Loop thread only: deliver pending answers, then wait up to ``timeout_s`` for
+        messages; returns (peer, payload) pairs in arrival order (possibly none)."""
+
+    @abstractmethod
+    def send(self, peer: Peer, payload: bytes) -> None:
+        """Queue ``payload`` for ``peer``; any thread. Delivered by the next ``receive``
+        (immediately when called from the loop thread)."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float) -> None:
+        """Loop thread only: deliver queued answers, waiting up to ``timeout_s`` for more."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class ClientTransport(ABC):
+    """An engine's end: one connection per rank, in rank order."""
+
+    @abstractmethod
+    def open(self) -> None: ...
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        """I/O thread only: (rank, payload) pairs that arrived, waiting up to ``timeout_s``."""
+
+    @abstractmethod
+    def send(self, rank: int, payload: bytes) -> None:
+        """I/O thread only."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Any thread: make a pending or the next ``receive`` return at once."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def server_transport(endpoint: str) -> ServerTransport:
+    if endpoint.startswith(LOCAL_SCHEME):
+        return LocalServer(endpoint)
+    return ZmqServer(endpoint)
+
+
+def client_transport(endpoints: Sequence[str]) -> ClientTransport:
+    local = [e.startswith(LOCAL_SCHEME) for e in endpoints]
+    if all(local):
+        return LocalClient(endpoints)
+    if any(local):
+        raise ValueError("local:// endpoints cannot be mixed with socket endpoints")
+    return ZmqClient(endpoints)
+
+
+# ---- ZeroMQ -----------------------------------------------------------------------------------
+
+
+def configure(sock: zmq.Socket) -> zmq.Socket:
+    sock.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
+    sock.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    return sock
 
 
 class ThreadLocalPush:
     """One PUSH socket per thread, connected to an inproc PULL owned by a loop thread.
 
-    ZeroMQ sockets are not thread-safe; executor threads hand frames to the socket-owning loop
+    ZeroMQ sockets are not thread-safe; other threads hand frames to the socket-owning loop
     through these. ``close()`` closes every socket it made.
     """
 
@@ -34,7 +130,7 @@ class ThreadLocalPush:
                     return
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
-                sock.setsockopt(zmq.LINGER, 1000)
+                sock.setsockopt(zmq.LINGER, LINGER_MS)
                 sock.connect(self._address)
                 self._sockets.append(sock)
             self._local.socket = sock
@@ -44,12 +140,229 @@ class ThreadLocalPush:
         with self._lock:
             self._closed = True
             for sock in self._sockets:
-                sock.close(linger=1000)
+                sock.close(linger=LINGER_MS)
             self._sockets.clear()
 
 
-def configure(sock: zmq.Socket) -> zmq.Socket:
-    sock.setsockopt(zmq.SNDHWM, HWM_MESSAGES)
-    sock.setsockopt(zmq.RCVHWM, HWM_MESSAGES)
-    sock.setsockopt(zmq.LINGER, 1000)
-    return sock
+class ZmqServer(ServerTransport):
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._loop_ident: int | None = None
+
+    def open(self) -> None:
+        from kvtier.errors import WorkerError
+
+        self.context = zmq.Context()
+        self.router = configure(self.context.socket(zmq.ROUTER))
+        try:
+            self.router.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            self.router.close(0)
+            self.context.term()
+            raise WorkerError(f"cannot bind {self.endpoint}: {e}") from None
+        address = f"inproc://kvtier-answers-{id(self)}"
+        self.answers = self.context.socket(zmq.PULL)
+        self.answers.bind(address)
+        self.push = ThreadLocalPush(self.context, address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.answers, zmq.POLLIN)
+
+    def receive(self, timeout_s: float) -> list[tuple[Peer, bytes]]:
+        self._loop_ident = threading.get_ident()
+        events = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.answers in events:
+            self._forward_answers()
+        out = []
+        if self.router in events:
+            while True:
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) >= 2:
+                    out.append((frames[0], frames[-1]))
+        return out
+
+    def _forward_answers(self) -> None:
+        while True:
+            try:
+                frames = self.answers.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.router.send_multipart(frames)
+
+    def send(self, peer: Peer, payload: bytes) -> None:
+        if threading.get_ident() == self._loop_ident:
+            self.router.send_multipart([peer, payload])
+        else:
+            self.push.send([peer, payload])
+
+    def flush(self, timeout_s: float) -> None:
+        while self.answers.poll(int(timeout_s * 1000)):
+            self._forward_answers()
+
+    def close(self) -> None:
+        self.push.close()
+        self.answers.close(linger=0)
+        self.router.close(linger=LINGER_MS)
+        self.context.term()
+
+
+class ZmqClient(ClientTransport):
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        self.endpoints = list(endpoints)
+
+    def open(self) -> None:
+        self.context = zmq.Context()
+        address = f"inproc://kvtier-wake-{id(self)}"
+        self._wake_pull = self.context.socket(zmq.PULL)
+        self._wake_pull.bind(address)
+        self._wake_push = ThreadLocalPush(self.context, address)
+        self.poller = zmq.Poller()
+        self.poller.register(self._wake_pull, zmq.POLLIN)
+        self.sockets = []
+        for endpoint in self.endpoints:
+            sock = configure(self.context.socket(zmq.DEALER))
+            sock.connect(endpoint)
+            self.poller.register(sock, zmq.POLLIN)
+            self.sockets.append(sock)
+        self._rank_of = {sock: rank for rank, sock in enumerate(self.sockets)}
+
+    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        events = dict(self.poller.poll(int(timeout_s * 1000)))
+        out = []
+        for sock in events:
+            if sock is self._wake_pull:
+                _drain(sock)
+                continue
+            rank = self._rank_of[sock]
+            while True:
+                try:
+                    out.append((rank, sock.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return out
+
+    def send(self, rank: int, payload: bytes) -> None:
+        self.sockets[rank].send(payload)
+
+    def wake(self) -> None:
+        self._wake_push.send([b""])
+
+    def close(self) -> None:
+        self._wake_push.close()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self._wake_pull.close(linger=0)
+        self.context.term()
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+# ---- in process -------------------------------------------------------------------------------
+
+_local_servers: dict[str, LocalServer] = {}
+_local_lock = threading.Lock()
+_WAKE = object()
+
+
+class LocalServer(ServerTransport):
+    """A worker's end in this process: an inbox of (peer, payload) and per-peer outboxes."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.clients: dict[Peer, LocalClient] = {}
+
+    def open(self) -> None:
+        from kvtier.errors import WorkerError
+
+        with _local_lock:
+            if self.endpoint in _local_servers:
+                raise WorkerError(f"cannot bind {self.endpoint}: already in use")
+            _local_servers[self.endpoint] = self
+
+    def receive(self, timeout_s: float) -> list[tuple[Peer, bytes]]:
+        out = []
+        try:
+            item = self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return out
+        while True:
+            if len(item[1]) <= MAX_MESSAGE_BYTES:
+                out.append(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return out
+
+    def send(self, peer: Peer, payload: bytes) -> None:
+        client = self.clients.get(peer)
+        if client is not None:
+            client.deliver(self, payload)
+
+    def flush(self, timeout_s: float) -> None:
+        """Answers are delivered as they are sent: nothing is queued here."""
+
+    def close(self) -> None:
+        with _local_lock:
+            if _local_servers.get(self.endpoint) is self:
+                del _local_servers[self.endpoint]
+
+
+class LocalClient(ClientTransport):
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        self.endpoints = list(endpoints)
+        self.identity: Peer = f"local-client-{id(self)}".encode()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._servers: list[LocalServer | None] = [None] * len(self.endpoints)
+
+    def open(self) -> None:
+        """Connect lazily: like ZeroMQ, a worker may bind after its client connects."""
+
+    def _server(self, rank: int) -> LocalServer | None:
+        server = self._servers[rank]
+        if server is None:
+            with _local_lock:
+                server = _local_servers.get(self.endpoints[rank])
+            if server is not None:
+                server.clients[self.identity] = self
+                self._servers[rank] = server
+        return server
+
+    def deliver(self, server: LocalServer, payload: bytes) -> None:
+        self.inbox.put((self._servers.index(server), payload))
+
+    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        out = []
+        try:
+            item = self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return out
+        while True:
+            if item is not _WAKE:
+                out.append(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return out
+
+    def send(self, rank: int, payload: bytes) -> None:
+        server = self._server(rank)
+        if server is not None:  # not bound (yet): dropped, as a lost datagram; hello is resent
+            server.inbox.put((self.identity, payload))
+
+    def wake(self) -> None:
+        self.inbox.put(_WAKE)
+
+    def close(self) -> None:
+        for server in self._servers:
+            if server is not None:
+                server.clients.pop(self.identity, None)

@@ -1,15 +1,19 @@
 """Worker: one per tensor-parallel rank; answers every task it receives exactly once.
 
 Threads and their jobs:
-- the loop thread owns the sockets: it decodes messages, answers hello and heartbeats, admits
-  data tasks through the Gate, forwards results, and watches the engine (``engine_timeout_s``);
+- the loop thread owns the transport: it decodes messages, answers hello and heartbeats, stamps
+  data tasks with the weight version in force and admits them through the Gate, hands control
+  requests to the ControlPlane, and watches the engine (``engine_timeout_s``, and the launching
+  process: a worker whose launcher is gone exits at once);
 - one single-thread executor per direction (swap_out, swap_in, save, load, host_io, lookup), so a
   slow storage write never delays a swap-in; FIFO within a direction;
-- one control thread for pause / resume / update_weights / sleep / wakeup / stats.
-Executors hand results to the loop over per-thread inproc sockets.
+- the control thread (ControlPlane) for what control requests may block on.
+
+Only peers whose hello was accepted get tasks run and keep the engine-liveness timer going.
 
 ``Worker(config).start()`` runs it in this process (a library object); ``serve()`` runs the loop
-in the calling thread and returns the process exit code (``kvtier serve``).
+in the calling thread and returns the process exit code (``kvtier serve``). SIGTERM and SIGINT
+stop it gracefully: in-flight tasks finish, queued and held ones are answered ``cancelled``.
 """
 
 from __future__ import annotations
@@ -19,35 +23,37 @@ import os
 import signal
 import threading
 import time
-import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
-import zmq
 
+from kvtier import shm
 from kvtier import tasks as t
 from kvtier.config import WorkerConfig
-from kvtier.control import Gate, Refusal, WorkerState
-from kvtier.datapath import DataPath, Outcome
-from kvtier.device import DeviceCache
+from kvtier.control_plane import Answer, ControlPlane
+from kvtier.datapath import Outcome
+from kvtier.endpoint import EndpointClaim
 from kvtier.errors import KvtierError
-from kvtier.host import HostPool
-from kvtier.keys import KeyScheme, read_weight_version
-from kvtier.storage import make_backend
-from kvtier.transport import ThreadLocalPush, configure
+from kvtier.gate import Gate, Refusal, WorkerState
+from kvtier.keys import KeyScheme
+from kvtier.resources import RankResources
+from kvtier.transport import Peer, server_transport
+from kvtier.worker_stats import TaskCounters
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_LOST = 3
-POLL_INTERVAL_MS = 100
-DRAIN_TIMEOUT_S = 60.0  # pause/sleep wait this long for in-flight tasks
+POLL_INTERVAL_S = 0.1
+FLUSH_TIMEOUT_S = 2.0
 # Swaps this small run on the loop thread when their direction is idle (microseconds of copying).
 INLINE_MAX_BLOCKS = 4
 INLINE_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN)
 QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
+
+Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
 
 
 class Worker:
@@ -56,67 +62,53 @@ class Worker:
         self.rank = config.rank
         self.gate = Gate()
         self.exit_code: int | None = None
+        self.counters = TaskCounters()
+        self.metrics: Any = None
         self._stop = threading.Event()
-        self._shutdown_identity: bytes | None = None
-        self._shutdown_task_id = 0
+        self._shutdown_request: tuple[Peer, int] | None = None
         self._last_heard = time.monotonic()
-        self._counters: dict[str, Counter] = defaultdict(Counter)
-        self._errors: Counter = Counter()
-        self._counter_lock = threading.Lock()
-        self._pending: dict[Future, tuple[bytes, Any]] = {}
+        self._accepted: set[Peer] = set()
+        self._refused: set[Peer] = set()
+        self._pending: dict[Future, Item] = {}
         self._busy: Counter = Counter()  # per direction: submitted, not finished
-        self._inline: list[tuple[bytes, Any]] = []
+        self._inline: list[Item] = []
         self._loop_ident = 0
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = False
-        self.metrics = None
+        self._started_at = time.time()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     def start(self, background: bool = True) -> Worker:
-        """Build the data path and bind the socket; with ``background`` run the loop thread."""
+        """Build the rank's resources and bind; with ``background`` run the loop thread."""
         cfg = self.config
-        if cfg.device_cache_mode == "create":
-            self.device_cache = DeviceCache.create(cfg.spec, cfg.device_cache_name, cfg.device)
-        else:
-            self.device_cache = DeviceCache.attach(cfg.spec, cfg.device_cache_name)
-        try:
-            self.host_pool = HostPool(cfg.spec, cfg.num_host_blocks + 2 * cfg.staging_blocks)
-            self.storage = make_backend(cfg.spec, cfg.storage)
-        except BaseException:
-            self.device_cache.close()
-            raise
-        version = cfg.version if cfg.version is not None else read_weight_version(cfg.model_dir)
-        keys = KeyScheme(cfg.namespace, cfg.spec.fingerprint, cfg.rank, version)
-        self.datapath = DataPath(
-            self.device_cache,
-            self.host_pool,
-            cfg.num_host_blocks,
-            cfg.staging_blocks,
-            self.storage,
-            keys,
-        )
+        shm.reclaim_orphans()
+        self.claim = EndpointClaim(cfg.endpoint_address).acquire()
+        self.resources = RankResources(cfg)
         self.executors = {
             d: ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{d.value}") for d in t.Direction
         }
-        self.control_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-control")
-        self.context = zmq.Context()
-        self.router = configure(self.context.socket(zmq.ROUTER))
-        self.router.bind(cfg.endpoint_address)
-        self._results_address = f"inproc://kvtier-results-{uuid.uuid4().hex}"
-        self.results = self.context.socket(zmq.PULL)
-        self.results.bind(self._results_address)
-        self.push = ThreadLocalPush(self.context, self._results_address)
-        self.metrics = None
-        if cfg.metrics_port is not None:
-            from kvtier.metrics import WorkerMetrics
-
-            self.metrics = WorkerMetrics(cfg.rank, self.stats)
-            self.metrics_port = self.metrics.serve(cfg.metrics_port)
-            log.info(
-                "rank %d: metrics on http://127.0.0.1:%d/metrics", self.rank, self.metrics_port
-            )
+        self.control = ControlPlane(
+            self.resources,
+            self.gate,
+            submit=self._submit,
+            reply=self._reply_control,
+            cancel=self._cancel_item,
+            stats=self.stats,
+            rank=self.rank,
+        )
+        self.transport = server_transport(cfg.endpoint_address)
+        try:
+            self.resources.open()
+            self._start_metrics()
+            self.transport.open()
+        except BaseException:
+            for executor in self.executors.values():
+                executor.shutdown(wait=False)
+            self.control.close()
+            self._release()
+            raise
         self._started = True
         self._last_heard = time.monotonic()
         log.info(
@@ -125,7 +117,7 @@ class Worker:
             cfg.endpoint_address,
             cfg.device_cache_name,
             cfg.num_host_blocks,
-            self.storage.kind,
+            cfg.storage.get("backend", "file"),
         )
         if background:
             self._thread = threading.Thread(
@@ -134,9 +126,26 @@ class Worker:
             self._thread.start()
         return self
 
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        from kvtier.metrics import WorkerMetrics
+
+        self.metrics = WorkerMetrics(self.rank, self.stats)
+        try:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port)
+        except OSError as e:
+            from kvtier.errors import ConfigError
+
+            raise ConfigError(
+                "metrics_port", f"cannot serve metrics on 127.0.0.1:{self.config.metrics_port}: {e}"
+            ) from None
+        log.info("rank %d: metrics on http://127.0.0.1:%d/metrics", self.rank, self.metrics_port)
+
     def serve(self) -> int:
-        """Run until shutdown, SIGTERM or engine loss; return the exit code."""
-        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        """Run until shutdown, SIGTERM / SIGINT or engine loss; return the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.request_stop())
         self.start(background=False)
         self._loop()
         return self.exit_code or EXIT_OK
@@ -159,139 +168,125 @@ class Worker:
 
     def _loop(self) -> None:
         self._loop_ident = threading.get_ident()
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.results, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(POLL_INTERVAL_MS))
-                if self.results in events:
-                    self._forward_results()
-                if self.router in events:
-                    self._receive()
-                silent = time.monotonic() - self._last_heard
-                if silent > self.config.engine_timeout_s:
-                    log.error(
-                        "rank %d: nothing from the engine for %.1f s (engine_timeout_s="
-                        "%.1f): exiting",
-                        self.rank,
-                        silent,
-                        self.config.engine_timeout_s,
-                    )
+                for peer, payload in self.transport.receive(POLL_INTERVAL_S):
+                    self._handle(peer, payload)
+                    self._run_inline()
+                why = self._engine_gone()
+                if why:
+                    log.error("rank %d: %s: exiting", self.rank, why)
                     self.exit_code = EXIT_ENGINE_LOST
                     break
         finally:
             self._shutdown()
 
-    def _receive(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._last_heard = time.monotonic()
-            if len(frames) < 2:
-                continue
-            self._handle(frames[0], frames[-1])
+    def _engine_gone(self) -> str:
+        silent = time.monotonic() - self._last_heard
+        if silent > self.config.engine_timeout_s:
+            return (
+                f"nothing from the engine for {silent:.1f} s "
+                f"(engine_timeout_s={self.config.engine_timeout_s:.1f})"
+            )
+        parent = self.config.parent_pid
+        if parent is not None and os.getppid() != parent:
+            return f"the engine process {parent} that launched this worker is gone"
+        return ""
 
-    def _forward_results(self) -> None:
-        while True:
-            try:
-                frames = self.results.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.router.send_multipart(frames)
-
-    def _reply(self, identity: bytes, message: t.Message) -> None:
-        """From any thread."""
-        self.push.send([identity, t.encode(message)])
-
-    def _handle(self, identity: bytes, payload: bytes) -> None:
+    def _handle(self, peer: Peer, payload: bytes) -> None:
         try:
             message = t.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._malformed(identity, payload, e)
+            self._malformed(peer, payload, e)
             return
+        if isinstance(message, t.Hello):
+            self._hello(peer, message)
+            return
+        if peer not in self._accepted:
+            self._unintroduced(peer, message)
+            return
+        self._last_heard = time.monotonic()
         if isinstance(message, t.DATA_TASKS):
-            refusal = self.gate.admit((identity, message), self._submit)
-            self._run_inline()
+            item = (peer, message, self.resources.keys)  # stamped with the version in force now
+            refusal = self.gate.admit(item, self._submit)
             if refusal is not None:
                 stopping = refusal is Refusal.STOPPING
                 status = t.Status.CANCELLED if stopping else t.Status.ERROR
-                self._answer(identity, message.task_id, status, refusal.value)
+                self._answer(peer, message.task_id, status, refusal.value)
         elif isinstance(message, t.Heartbeat):
-            self.router.send_multipart([identity, t.encode(t.Heartbeat(time.time()))])
+            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=time.time())))
         elif isinstance(message, t.Control):
-            self.control_executor.submit(self._control, identity, message)
-        elif isinstance(message, t.Hello):
-            self._hello(identity, message)
+            self.control.receive(peer, message)
         elif isinstance(message, t.Shutdown):
             log.info("rank %d: shutdown requested by the engine", self.rank)
-            self._shutdown_identity, self._shutdown_task_id = identity, message.task_id
+            self._shutdown_request = (peer, message.task_id)
             self._stop.set()
         else:
             log.warning(
                 "rank %d: dropped an unexpected %s message", self.rank, type(message).__name__
             )
 
-    def _malformed(self, identity: bytes, payload: bytes, error: Exception) -> None:
+    def _unintroduced(self, peer: Peer, message: t.Message) -> None:
+        """A message from a peer without an accepted hello: answered with an error, never run."""
+        self.counters.error("unauthenticated", self.metrics)
+        task_id = getattr(message, "task_id", None)
+        if task_id is None:
+            return  # a heartbeat or a stray result: not answered, and no proof of life
+        refused = peer in self._refused
+        why = "this client's hello was refused" if refused else "say hello first"
+        self._answer(
+            peer, task_id, t.Status.ERROR, f"{why} (protocol version {t.PROTOCOL_VERSION})"
+        )
+
+    def _malformed(self, peer: Peer, payload: bytes, error: Exception) -> None:
         """Answer with an error when a task id can be read; otherwise log and drop."""
-        self._count_error("malformed")
-        task_id = None
-        try:
-            raw = msgspec.msgpack.decode(payload)
-            if isinstance(raw, dict) and type(raw.get("task_id")) is int:
-                task_id = raw["task_id"]
-        except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
-            pass
+        self.counters.error("malformed", self.metrics)
+        task_id = t.peek_task_id(payload)
         if task_id is None:
             log.warning(
                 "rank %d: dropped %d bytes that are not a kvtier message: %s",
                 self.rank,
                 len(payload),
-                error,
+                str(error)[:200],
             )
             return
-        log.warning("rank %d: task %d is malformed: %s", self.rank, task_id, error)
-        self._answer(identity, task_id, t.Status.ERROR, f"malformed task: {error}")
+        log.warning("rank %d: task %d is malformed: %s", self.rank, task_id, str(error)[:200])
+        self._answer(peer, task_id, t.Status.ERROR, f"malformed task: {str(error)[:200]}")
 
-    def _hello(self, identity: bytes, hello: t.Hello) -> None:
+    def _hello(self, peer: Peer, hello: t.Hello) -> None:
         accepted = hello.protocol_version == t.PROTOCOL_VERSION
-        message = (
-            ""
-            if accepted
-            else (
+        message = ""
+        if accepted:
+            self._accepted.add(peer)
+            self._refused.discard(peer)
+            self._last_heard = time.monotonic()
+        else:
+            self._accepted.discard(peer)
+            self._refused.add(peer)
+            message = (
                 f"protocol version {hello.protocol_version} is not supported; this worker speaks "
                 f"{t.PROTOCOL_VERSION}: upgrade kvtier on both sides"
             )
+            log.warning("rank %d: refused client %s: %s", self.rank, hello.client_id[:40], message)
+        welcome = t.Welcome(
+            protocol_version=t.PROTOCOL_VERSION,
+            rank=self.rank,
+            world_size=self.config.world_size,
+            accepted=accepted,
+            message=message,
+            pid=os.getpid(),
         )
-        if not accepted:
-            log.warning("rank %d: refused client %s: %s", self.rank, hello.client_id, message)
-        self.router.send_multipart(
-            [
-                identity,
-                t.encode(
-                    t.Welcome(
-                        t.PROTOCOL_VERSION,
-                        self.rank,
-                        self.config.world_size,
-                        accepted,
-                        message,
-                        os.getpid(),
-                    )
-                ),
-            ]
-        )
+        self.transport.send(peer, t.encode(welcome))
 
     # ---- data tasks -------------------------------------------------------------------------
 
-    def _submit(self, item: tuple[bytes, Any]) -> None:
+    def _submit(self, item: Item) -> None:
         """Called under the gate's lock.
 
         Fast path: a small swap whose direction is idle runs on the loop thread right after
         admission (no thread hand-off either way; FIFO holds because nothing is queued ahead).
         """
-        identity, task = item
+        peer, task, keys = item
         direction = t.DIRECTIONS[type(task)]
         with self._pending_lock:
             busy = self._busy[direction]
@@ -304,7 +299,7 @@ class Worker:
         ):
             self._inline.append(item)
             return
-        future = self.executors[direction].submit(self._run, identity, task)
+        future = self.executors[direction].submit(self._run, item)
         with self._pending_lock:
             self._pending[future] = item
         future.add_done_callback(self._forget)
@@ -315,19 +310,21 @@ class Worker:
 
     def _run_inline(self) -> None:
         while self._inline:
-            identity, task = self._inline.pop(0)
-            self._run(identity, task, inline=True)
+            self._run(self._inline.pop(0))
 
-    def _run(self, identity: bytes, task: Any, inline: bool = False) -> None:
+    def _run(self, item: Item) -> None:
+        peer, task, keys = item
         start = time.perf_counter()
         try:
-            outcome = self.datapath.run(task)
+            if self.resources.datapath is None:
+                raise KvtierError("the data path is closed (sleeping)")
+            outcome = self.resources.datapath.run(task, keys)
         except KvtierError as e:
-            self._count_error(type(e).__name__)
+            self.counters.error(type(e).__name__, self.metrics)
             outcome = Outcome(t.Status.ERROR, message=f"{type(e).__name__}: {e}")
         except Exception as e:  # a bug: answered, logged with its traceback, worker goes on
             log.exception("rank %d: task %d failed", self.rank, task.task_id)
-            self._count_error("internal")
+            self.counters.error("internal", self.metrics)
             outcome = Outcome(t.Status.ERROR, message=f"internal error: {type(e).__name__}: {e}")
         finally:
             with self._pending_lock:
@@ -335,20 +332,12 @@ class Worker:
             self.gate.done()
         seconds = time.perf_counter() - start
         kind = t.task_name(task)
-        direction = t.DIRECTIONS[type(task)]
-        if self.metrics is not None:
-            self.metrics.task(kind, outcome.status.value, outcome.bytes_moved, seconds)
-        with self._counter_lock:
-            c = self._counters[kind]
-            c["tasks"] += 1
-            c["bytes"] += outcome.bytes_moved
-            c["microseconds"] += int(seconds * 1e6)
-            c[outcome.status.value] += 1
+        self.counters.task(kind, outcome.status.value, outcome.bytes_moved, seconds, self.metrics)
         # Storage transfers are logged like the old system did (block count, elapsed time);
         # swaps and lookups, thousands a second, only at DEBUG. Numbers go to stats().
-        level = logging.DEBUG if direction in QUIET_DIRECTIONS else logging.INFO
+        quiet = t.DIRECTIONS[type(task)] in QUIET_DIRECTIONS
         log.log(
-            level,
+            logging.DEBUG if quiet else logging.INFO,
             "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms",
             self.rank,
             kind,
@@ -359,64 +348,51 @@ class Worker:
             seconds * 1e3,
         )
         result = t.Result(
-            task.task_id,
-            outcome.status,
-            outcome.blocks,
-            outcome.count,
-            outcome.bytes_moved,
-            seconds,
-            outcome.message,
+            task_id=task.task_id,
+            status=outcome.status,
+            blocks=outcome.blocks,
+            count=outcome.count,
+            bytes_moved=outcome.bytes_moved,
+            seconds=seconds,
+            message=outcome.message,
             rank=self.rank,
         )
-        if inline:
-            self.router.send_multipart([identity, t.encode(result)])
-        else:
-            self._reply(identity, result)
+        self.transport.send(peer, t.encode(result))
 
-    def _answer(
-        self, identity: bytes, task_id: int, status: t.Status, message: str, **extra: Any
-    ) -> None:
-        self._reply(identity, t.Result(task_id, status, message=message, rank=self.rank, **extra))
+    def _answer(self, peer: Peer, task_id: int, status: t.Status, message: str, **extra) -> None:
+        result = t.Result(task_id=task_id, status=status, message=message, rank=self.rank, **extra)
+        self.transport.send(peer, t.encode(result))
 
-    def _count_error(self, kind: str) -> None:
-        with self._counter_lock:
-            self._errors[kind] += 1
-        if self.metrics is not None:
-            self.metrics.error(kind)
+    def _cancel_item(self, item: Item, why: str) -> None:
+        peer, task, _ = item
+        self._answer(peer, task.task_id, t.Status.CANCELLED, why)
 
-    # ---- control ----------------------------------------------------------------------------
+    def _reply_control(self, peer: Peer, task: t.Control, answer: Answer) -> None:
+        status = t.Status.OK if answer.code == t.Code.OK else t.Status.ERROR
+        self._answer(peer, task.task_id, status, answer.message, code=answer.code, data=answer.data)
 
-    def _control(self, identity: bytes, task: t.Control) -> None:
-        from kvtier import worker_control
-
-        try:
-            code, message, data = worker_control.handle(self, task.method, dict(task.args))
-        except Exception as e:
-            log.exception("rank %d: control %s failed", self.rank, task.method)
-            code, message, data = (
-                t.Code.FAILED,
-                f"{task.method} failed: {type(e).__name__}: {e}",
-                {},
-            )
-        status = t.Status.OK if code == t.Code.OK else t.Status.ERROR
-        log.info("rank %d: control %s -> %d %s", self.rank, task.method, code, message)
-        self._answer(identity, task.task_id, status, message, code=code, data=data)
+    # ---- stats ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        with self._counter_lock:
-            per_kind = {k: dict(v) for k, v in self._counters.items()}
-            errors = dict(self._errors)
+        storage = self.resources.storage
+        usage = storage.usage() if storage is not None else None
         return {
             "rank": self.rank,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self._started_at, 3),
             "state": self.gate.state.value,
             "in_flight": self.gate.in_flight,
             "held": self.gate.held,
             "queue_depths": {d.value: ex._work_queue.qsize() for d, ex in self.executors.items()},
-            "tasks": per_kind,
-            "errors": errors,
-            "storage": self.storage.stats.as_dict(),
-            "storage_usage": vars(self.storage.usage()) if hasattr(self.storage, "usage") else {},
-            "weight_version": self.datapath.keys.version,
+            **self.counters.snapshot(),
+            "storage": storage.stats.as_dict() if storage is not None else {},
+            "storage_usage": vars(usage) if usage is not None else {},
+            "storage_backend": self.config.storage.get("backend", "file"),
+            "weight_version": self.resources.keys.version,
+            "version_pinned": self.resources.versions.pinned,
+            "namespace": self.config.namespace,
+            "fingerprint": self.config.spec.fingerprint,
+            "endpoint": self.config.endpoint_address,
         }
 
     # ---- shutdown ---------------------------------------------------------------------------
@@ -426,50 +402,30 @@ class Worker:
         if not self._started:
             return
         self.gate.set_state(WorkerState.STOPPING)
-        for identity, task in self.gate.take_held():
-            self._answer(identity, task.task_id, t.Status.CANCELLED, "worker is shutting down")
+        for item in self.gate.take_held():
+            self._cancel_item(item, "worker is shutting down")
         with self._pending_lock:
             queued = dict(self._pending)  # cancelled futures leave _pending as they cancel
         for executor in self.executors.values():
             executor.shutdown(wait=False, cancel_futures=True)
-        cancelled = [(f, item) for f, item in queued.items() if f.cancelled()]
-        for _, (identity, task) in cancelled:
-            self._answer(
-                identity, task.task_id, t.Status.CANCELLED, "worker shut down before the task ran"
-            )
-            self.gate.done()
+        for future, item in queued.items():
+            if future.cancelled():
+                self._cancel_item(item, "worker shut down before the task ran")
+                self.gate.done()
         for executor in self.executors.values():
             executor.shutdown(wait=True)
-        self.control_executor.shutdown(wait=True, cancel_futures=True)
-        if self._shutdown_identity is not None:
-            self._answer(
-                self._shutdown_identity, self._shutdown_task_id, t.Status.OK, "worker stopped"
-            )
-        self._flush_results()
-        self.push.close()
-        self.results.close(linger=0)
-        self.router.close(linger=1000)
-        self.context.term()
-        if self.metrics is not None:
-            self.metrics.close()
+        self.control.close()
+        if self._shutdown_request is not None:
+            peer, task_id = self._shutdown_request
+            self._answer(peer, task_id, t.Status.OK, "worker stopped")
+        self.transport.flush(0.05)
+        self.transport.close()
         self._release()
         log.info("rank %d: stopped", self.rank)
 
-    def _flush_results(self) -> None:
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            if not self.results.poll(50):
-                break
-            self._forward_results()
-
     def _release(self) -> None:
-        self.datapath.close()
-        self.storage.close()
-        self.host_pool.close()
-        self.device_cache.close()
-        address = self.config.endpoint_address
-        if address.startswith("ipc://"):
-            try:
-                os.unlink(address[len("ipc://") :])
-            except FileNotFoundError:
-                pass
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.resources.close()
+        self.claim.release()

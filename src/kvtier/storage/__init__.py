@@ -11,7 +11,55 @@ from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
 
 BACKENDS = ("file", "mooncake", "memory")
 
-__all__ = ["BACKENDS", "StorageBackend", "StorageStats", "StorageUsage", "make_backend"]
+__all__ = [
+    "BACKENDS",
+    "StorageBackend",
+    "StorageStats",
+    "StorageUsage",
+    "make_backend",
+    "validate_storage_config",
+]
+MEMORY_OPTIONS = ("capacity_bytes",)
+
+
+def validate_storage_config(config: Mapping[str, Any]) -> None:
+    """Check a storage mapping without connecting to or creating anything (ConfigError)."""
+    options = dict(config)
+    kind = options.pop("backend", "file")
+    faults = options.pop("faults", None)
+    if kind == "file":
+        from kvtier.storage.file import FileStoreConfig
+
+        FileStoreConfig.from_dict(options)
+    elif kind == "mooncake":
+        from kvtier.storage.mooncake import MooncakeConfig
+
+        MooncakeConfig.from_dict(options)
+    elif kind == "memory":
+        _memory_options(options)
+    else:
+        raise ConfigError("storage.backend", f"got {kind!r}; allowed: {', '.join(BACKENDS)}")
+    if faults:
+        from kvtier.storage.faults import FaultConfig
+
+        if not isinstance(faults, Mapping):
+            raise ConfigError("storage.faults", "must be a mapping of fault options")
+        FaultConfig.from_dict(faults)
+
+
+def _memory_options(options: Mapping[str, Any]) -> int | None:
+    unknown = sorted(set(options) - set(MEMORY_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"storage.{unknown[0]}",
+            f"unknown option for the memory backend; allowed: {list(MEMORY_OPTIONS)}",
+        )
+    capacity = options.get("capacity_bytes")
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0
+    ):
+        raise ConfigError("storage.capacity_bytes", f"must be a positive integer, got {capacity!r}")
+    return capacity
 
 
 def make_backend(spec: KVCacheSpec, config: Mapping[str, Any] | None = None) -> StorageBackend:
@@ -33,13 +81,7 @@ def make_backend(spec: KVCacheSpec, config: Mapping[str, Any] | None = None) -> 
     elif kind == "memory":
         from kvtier.storage.memory import MemoryStore
 
-        unknown = sorted(set(options) - {"capacity_bytes"})
-        if unknown:
-            raise ConfigError(
-                f"storage.{unknown[0]}",
-                "unknown option for the memory backend; allowed: ['capacity_bytes']",
-            )
-        backend = MemoryStore(spec, options.get("capacity_bytes"))
+        backend = MemoryStore(spec, _memory_options(options))
     else:
         raise ConfigError("storage.backend", f"got {kind!r}; allowed: {', '.join(BACKENDS)}")
     if faults:

@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 
+from kvtier.checksum import payload_checksum
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header
 
 log = logging.getLogger(__name__)
 

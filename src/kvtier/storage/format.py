@@ -24,6 +24,7 @@ import struct
 
 import xxhash
 
+from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
 
 MAGIC = b"KVTB"
@@ -31,11 +32,6 @@ FORMAT_VERSION = 1
 HEADER_BYTES = 64
 _BODY = struct.Struct("<4sHH8s16sQQ8x")  # 56 bytes
 _CHECK = struct.Struct("<Q")
-
-
-def payload_checksum(payload) -> int:
-    """XXH3-64 of a buffer (bytes, memoryview, numpy array); releases the GIL for large inputs."""
-    return xxhash.xxh3_64_intdigest(payload)
 
 
 def key_digest(key: str) -> bytes:

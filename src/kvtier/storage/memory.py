@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header
 
 
 class MemoryStore(StorageBackend):

@@ -26,21 +26,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.checksum import payload_checksum
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, payload_checksum
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header
 
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
-ENV_PREFIX = "KVTIER_MOONCAKE_"
 PROBE_TIMEOUT_S = 0.5
 # Batches are moved in chunks of about this size so that checksums overlap the transfers.
 PIPELINE_CHUNK_BYTES = 128 << 20
 
 
-class Outcome(Enum):
+class Fate(Enum):
+    """What a Mooncake return code means for one key."""
+
     OK = "ok"
     MISSING = "missing"
     FAILED = "failed"
@@ -49,25 +51,25 @@ class Outcome(Enum):
 
 # Mooncake error codes (mooncake-store types.h) and what each means for kvtier.
 _CODES = {
-    -200: ("no space", Outcome.FAILED),
-    -600: ("invalid parameters", Outcome.FAILED),
-    -704: ("object not found", Outcome.MISSING),
-    -705: ("object already exists", Outcome.OK),  # immutable: the stored object stays
-    -706: ("object has lease", Outcome.FAILED),
-    -707: ("lease expired", Outcome.MISSING),
-    -800: ("transfer failed", Outcome.FAILED),
-    -900: ("RPC to master failed", Outcome.UNREACHABLE),
+    -200: ("no space", Fate.FAILED),
+    -600: ("invalid parameters", Fate.FAILED),
+    -704: ("object not found", Fate.MISSING),
+    -705: ("object already exists", Fate.OK),  # immutable: the stored object stays
+    -706: ("object has lease", Fate.FAILED),
+    -707: ("lease expired", Fate.MISSING),
+    -800: ("transfer failed", Fate.FAILED),
+    -900: ("RPC to master failed", Fate.UNREACHABLE),
 }
 
 
-def _classify(rc: int | None, ok_value: int = 0) -> Outcome:
+def _classify(rc: int | None, ok_value: int = 0) -> Fate:
     if rc is None:
-        return Outcome.FAILED  # unregistered buffer
+        return Fate.FAILED  # unregistered buffer
     if rc == ok_value:
-        return Outcome.OK
+        return Fate.OK
     if rc >= 0:
-        return Outcome.FAILED  # e.g. a short read: the object is not the size we store
-    return _CODES.get(rc, ("unknown error", Outcome.FAILED))[1]
+        return Fate.FAILED  # e.g. a short read: the object is not the size we store
+    return _CODES.get(rc, ("unknown error", Fate.FAILED))[1]
 
 
 def describe(rc: int) -> str:
@@ -90,7 +92,7 @@ class MooncakeConfig:
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ConfigError("storage.protocol", f"got {self.protocol!r}; allowed: tcp, rdma")
-        host, _, port = self.master_address.rpartition(":")
+        host, _, port = str(self.master_address).rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(
                 "storage.master_address", f"must be host:port, got {self.master_address!r}"
@@ -101,39 +103,39 @@ class MooncakeConfig:
                 raise ConfigError(
                     f"storage.{name}", f"must be an integer >= {least}, got {value!r}"
                 )
-        if not self.connect_timeout_s > 0:
-            raise ConfigError("storage.connect_timeout_s", "must be > 0")
+        timeout = self.connect_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError("storage.connect_timeout_s", f"must be a number > 0, got {timeout!r}")
+        for name in ("master_address", "metadata_server", "local_hostname", "device_name"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"storage.{name}", f"must be text, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None):
-        """From a mapping; ``KVTIER_MOONCAKE_<FIELD>`` variables fill fields the mapping lacks."""
-        known = {f.name: f.type for f in fields(cls)}
-        unknown = sorted(set(data) - set(known) - {"backend"})
+    def from_dict(cls, data: Mapping[str, Any]) -> MooncakeConfig:
+        """From a mapping (``KVTIER_MOONCAKE_<FIELD>`` variables are merged in at the edge, by
+        ``kvtier.config``)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"backend"})
         if unknown:
             raise ConfigError(
                 f"storage.{unknown[0]}",
                 f"unknown option for the mooncake backend; allowed: {sorted(known)}",
             )
-        values: dict[str, Any] = {}
-        env = os.environ if environ is None else environ
-        for name in known:
-            if name in data:
-                values[name] = data[name]
-            elif ENV_PREFIX + name.upper() in env:
-                values[name] = env[ENV_PREFIX + name.upper()]
-        for name in ("global_segment_size", "local_buffer_size"):
-            if isinstance(values.get(name), str):
-                values[name] = _int_field(name, values[name])
-        if isinstance(values.get("connect_timeout_s"), str):
-            values["connect_timeout_s"] = float(values["connect_timeout_s"])
-        return cls(**values)
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def _int_field(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"storage.{name}", f"must be an integer, got {text!r}") from None
+# Mooncake's transfer engine reads its bind address from the environment only (setup() has no
+# such option); without it, it binds its RPC port to the first active NIC.
+BIND_ADDRESS_ENV = "MC_TCP_BIND_ADDRESS"
+
+
+def process_environment(config: Mapping[str, Any] | MooncakeConfig) -> dict[str, str]:
+    """The environment variables a process must have before it hosts a MooncakeStore built
+    from ``config``. Set at the edge (the ``kvtier`` CLI, a launcher's child environment), never
+    by the library."""
+    if not isinstance(config, MooncakeConfig):
+        config = MooncakeConfig.from_dict({k: v for k, v in config.items() if k != "faults"})
+    return {BIND_ADDRESS_ENV: config.local_hostname}
 
 
 def probe(address: str, timeout_s: float) -> None:
@@ -167,9 +169,15 @@ class MooncakeStore(StorageBackend):
                 "the mooncake backend needs Mooncake: pip install 'kvtier[mooncake]' and "
                 f"apt-get install -y libibverbs1 ({e})"
             ) from None
-        # The transfer engine otherwise binds its RPC port to the first active NIC; keep it on
-        # the address we were told to use (loopback in tests and single-machine setups).
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+        if os.environ.get(BIND_ADDRESS_ENV) != config.local_hostname:
+            log.warning(
+                "%s is %r, not local_hostname %r: Mooncake may listen beyond it. The process "
+                "that hosts the store sets it (kvtier serve and the CLI do; see "
+                "process_environment)",
+                BIND_ADDRESS_ENV,
+                os.environ.get(BIND_ADDRESS_ENV),
+                config.local_hostname,
+            )
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             config.local_hostname,
@@ -275,7 +283,7 @@ class MooncakeStore(StorageBackend):
             codes += pending.result()
         outcomes = [_classify(c) for c in codes]
         self._check_reachable(outcomes, codes, "put")
-        results = [o is Outcome.OK for o in outcomes]
+        results = [o is Fate.OK for o in outcomes]
         failed = [describe(c) for c, ok in zip(codes, results) if not ok]
         if failed:
             log.debug("mooncake put: %d of %d failed (%s)", len(failed), len(keys), failed[0])
@@ -320,7 +328,7 @@ class MooncakeStore(StorageBackend):
 
     def _verify(self, index, key, block, header, code, checksums_out) -> bool:
         outcome = _classify(code, self.object_bytes)
-        if outcome is not Outcome.OK:
+        if outcome is not Fate.OK:
             if code is not None and code >= 0:  # present but not the size we store: corrupt
                 self._corrupt(key, ObjectCorrupt(f"object is {code} bytes"))
                 self.delete([key])
@@ -379,9 +387,9 @@ class MooncakeStore(StorageBackend):
         self._transfers.shutdown(wait=True)
         self._store.close()
 
-    def _check_reachable(self, outcomes: list[Outcome], codes: list[int], what: str) -> None:
+    def _check_reachable(self, outcomes: list[Fate], codes: list[int], what: str) -> None:
         """Every key failing with an RPC error means the master is gone: StorageUnavailable."""
-        if outcomes and all(o is Outcome.UNREACHABLE for o in outcomes):
+        if outcomes and all(o is Fate.UNREACHABLE for o in outcomes):
             self._down = True
             log.warning(
                 "mooncake master %s is unreachable (%s: %s)",

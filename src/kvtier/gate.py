@@ -1,4 +1,4 @@
-"""The worker's gate: RUNNING / PAUSED / SLEEPING, held tasks, in-flight accounting."""
+"""The admission gate of a worker: RUNNING / PAUSED / SLEEPING, held tasks, in-flight count."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ class WorkerState(str, Enum):
     RUNNING = "running"
     PAUSED = "paused"
     SLEEPING = "sleeping"
+    WAKING = "waking"  # a wakeup is under way: new data tasks are held until it ends
     STOPPING = "stopping"
+
+
+HOLDING_STATES = (WorkerState.PAUSED, WorkerState.WAKING)
 
 
 class Refusal(str, Enum):
@@ -40,7 +44,7 @@ class Gate:
                 return Refusal.STOPPING
             if self.state is WorkerState.SLEEPING:
                 return Refusal.SLEEPING
-            if self.state is WorkerState.PAUSED:
+            if self.state in HOLDING_STATES:
                 self._held.append(item)
                 return None
             self.in_flight += 1

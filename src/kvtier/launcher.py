@@ -1,0 +1,188 @@
+"""Start ``kvtier serve`` processes for a Client, and clean up after launchers that died.
+
+Each launch writes one YAML config per rank into a private directory (0700) that the launcher
+holds a lock on (``.owner.lock``) for as long as its client lives; the workers log there too.
+A directory whose lock can be taken belongs to a launcher that died (SIGKILL, OOM): the next
+launch on the machine removes it (``reclaim_launch_dirs``).
+
+Workers are started so that they import kvtier from the installed package, whatever the
+caller's working directory holds, and know their launcher's pid: they exit within a poll
+interval when it is gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier import shm
+from kvtier.config import ENGINE_TIMEOUT_S, WorkerConfig, default_socket_dir
+from kvtier.endpoint import reclaim_sockets
+from kvtier.spec import KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+LAUNCH_DIR_PREFIX = "kvtier-launch-"
+OWNER_LOCK = ".owner.lock"
+# `python -m kvtier.cli` would put the working directory first on sys.path: a `kvtier/` folder
+# there (a checkout, say) would shadow the installed package and every worker would die.
+SERVE_COMMAND = (
+    "import sys; sys.path[:] = [p for p in sys.path if p]; "
+    "from kvtier.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@dataclass
+class Launch:
+    """What a launch started: per rank its config, process and log; the directory and its lock."""
+
+    configs: list[WorkerConfig]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    log_paths: list[Path] = field(default_factory=list)
+    directory: Path | None = None
+    lock_fd: int | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [c.endpoint_address for c in self.configs]
+
+    def log_tails(self, lines: int = 15) -> str:
+        return "\n".join(
+            f"--- {p.name} ---\n{_tail(p, lines)}" for p in self.log_paths if p.exists()
+        )
+
+    def kill(self) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()
+        for p in self.processes:
+            p.wait()
+
+    def remove_directory(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def worker_configs(
+    spec: KVCacheSpec,
+    world_size: int,
+    storage: dict[str, Any] | None,
+    instance_id: str,
+    ranks: Sequence[int] | None,
+    settings: dict[str, Any],
+) -> list[WorkerConfig]:
+    """Validated configs of the ranks to launch (all of them unless ``ranks``)."""
+    settings = dict(settings)
+    settings.setdefault("engine_timeout_s", ENGINE_TIMEOUT_S)
+    base_port = settings.pop("metrics_port", None)
+    configs = []
+    for rank in range(world_size) if ranks is None else ranks:
+        per_rank = dict(settings)
+        if base_port is not None:  # each rank its own exporter: base + rank, or 0 for any
+            per_rank["metrics_port"] = base_port + rank if base_port else 0
+        configs.append(
+            WorkerConfig.from_dict(
+                {
+                    "spec": spec,
+                    "instance_id": instance_id,
+                    "rank": rank,
+                    "world_size": world_size,
+                    "storage": storage or {"backend": "file"},
+                    "parent_pid": os.getpid(),
+                    **per_rank,
+                }
+            )
+        )
+    return configs
+
+
+def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> Launch:
+    """Write the configs and start one ``kvtier serve`` per config. On failure nothing runs."""
+    reclaim_orphans()
+    launch = Launch(configs)
+    launch.directory, launch.lock_fd = _private_directory(configs[0].instance_id)
+    try:
+        for cfg in configs:
+            path = launch.directory / f"rank{cfg.rank}.yaml"
+            path.write_text(yaml.safe_dump(cfg.to_dict()))
+            log_path = Path(log_dir or launch.directory) / f"rank{cfg.rank}.log"
+            with open(log_path, "ab") as out:
+                launch.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", SERVE_COMMAND, "serve", "--config", str(path)],
+                        stdout=out,
+                        stderr=out,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
+            launch.log_paths.append(log_path)
+    except BaseException:
+        launch.kill()
+        launch.remove_directory()
+        raise
+    return launch
+
+
+def _private_directory(instance_id: str) -> tuple[Path, int]:
+    path = Path(tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{instance_id}-"))
+    fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return path, fd
+
+
+def reclaim_orphans() -> None:
+    """Remove what launchers and workers that died left: shm files, sockets, launch dirs."""
+    shm.reclaim_orphans()
+    try:
+        reclaim_sockets(default_socket_dir())
+    except Exception as e:  # never stop a launch over housekeeping
+        log.debug("socket sweep skipped: %s", e)
+    reclaim_launch_dirs(Path(tempfile.gettempdir()))
+
+
+def reclaim_launch_dirs(directory: Path) -> list[str]:
+    """Remove this user's launch directories whose launcher is provably dead (lock free)."""
+    removed = []
+    try:
+        entries = [p for p in directory.iterdir() if p.name.startswith(LAUNCH_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for path in entries:
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(path / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its launcher lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    if removed:
+        log.warning("removed %d launch directories of engines that died", len(removed))
+    return removed
+
+
+def _tail(path: Path, lines: int) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

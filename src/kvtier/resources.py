@@ -1,0 +1,147 @@
+"""RankResources: one rank's device cache, host pool, storage, weight version and data path.
+
+The one owner of what a worker moves bytes with. ``open`` builds everything in an order that
+fails before it allocates (settings were validated by WorkerConfig; the host pool checks memory
+before it touches any), ``sleep`` / ``wakeup`` detach and re-attach the device cache (and free /
+rebuild the host pool when configured), ``close`` releases everything, whatever state it is in.
+
+The weight version lives here too: ``keys`` is the KeyScheme in force now. An explicit version
+(``update_weights(version=...)``) pins it until the next explicit update or an explicit re-read
+of ``version.yaml`` (``update_weights()`` with no version); ``resume`` re-reads the file only
+while the version is not pinned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvtier.config import WorkerConfig
+from kvtier.datapath import DataPath
+from kvtier.device import DeviceCache
+from kvtier.host import HostLayout, HostPool
+from kvtier.keys import KeyScheme, read_weight_version
+from kvtier.storage import make_backend
+from kvtier.storage.base import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VersionChange:
+    """What a version update did, for the control answer."""
+
+    previous: str
+    current: str
+    seen_before: bool = False  # a rollback: objects stored under it can be hit again
+
+    @property
+    def changed(self) -> bool:
+        return self.previous != self.current
+
+
+@dataclass
+class WeightVersion:
+    """The current KeyScheme, whether an explicit version pins it, and versions seen."""
+
+    keys: KeyScheme
+    pinned: bool = False
+    seen: set[str] = field(default_factory=set)
+
+    def set(self, version: str, *, pinned: bool) -> VersionChange:
+        change = VersionChange(self.keys.version, version, version in self.seen)
+        if change.changed:
+            self.keys = self.keys.with_version(version)  # validates: ConfigError
+        self.pinned = pinned
+        self.seen.add(version)
+        return change
+
+
+class RankResources:
+    """Owns one rank's device cache, host pool, storage backend, versions and data path."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.layout = HostLayout(config.num_host_blocks, config.staging_blocks)
+        self.device_cache: DeviceCache | None = None
+        self.host_pool: HostPool | None = None
+        self.storage: StorageBackend | None = None
+        self.datapath: DataPath | None = None
+        explicit = config.version is not None
+        version = config.version if explicit else read_weight_version(config.model_dir)
+        keys = KeyScheme(config.namespace, config.spec.fingerprint, config.rank, version or "")
+        self.versions = WeightVersion(keys, pinned=explicit, seen={keys.version})
+
+    @property
+    def keys(self) -> KeyScheme:
+        return self.versions.keys
+
+    def open(self) -> RankResources:
+        """Device cache, host pool, storage, data path; on failure nothing stays allocated."""
+        cfg = self.config
+        try:
+            if cfg.device_cache_mode == "create":
+                self.device_cache = DeviceCache.create(cfg.spec, cfg.device_cache_name, cfg.device)
+            else:
+                self.device_cache = DeviceCache.attach(cfg.spec, cfg.device_cache_name)
+            self.host_pool = HostPool(cfg.spec, self.layout.total_blocks)
+            self.storage = make_backend(cfg.spec, cfg.storage)
+            self.datapath = DataPath(self.device_cache, self.host_pool, self.layout, self.storage)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    # ---- versions ---------------------------------------------------------------------------
+
+    def update_version(self, version: str | None) -> VersionChange | None:
+        """An explicit version pins it; None re-reads version.yaml (None: file unreadable)."""
+        if version is not None:
+            return self.versions.set(version, pinned=True)
+        found = read_weight_version(self.config.model_dir)
+        if not found:
+            return None
+        return self.versions.set(found, pinned=False)
+
+    def reread_version(self) -> VersionChange | None:
+        """On resume: re-read version.yaml unless an explicit version pins the current one."""
+        if self.versions.pinned or not self.config.model_dir:
+            return None
+        found = read_weight_version(self.config.model_dir)
+        return self.versions.set(found, pinned=False) if found else None
+
+    # ---- sleep ------------------------------------------------------------------------------
+
+    def sleep(self) -> str:
+        """Detach the device cache (and free the host pool when configured); say what was done."""
+        assert self.device_cache is not None
+        self.device_cache.detach()
+        if self.config.free_host_pool_on_sleep:
+            self._close_pool()
+            return "detached the device cache and freed the host pool"
+        return "detached the device cache"
+
+    def wakeup(self) -> None:
+        """Re-attach the device cache (checking its layout) and rebuild what sleep freed."""
+        assert self.device_cache is not None and self.storage is not None
+        self.device_cache.reattach()
+        if self.host_pool is None:
+            self.host_pool = HostPool(self.config.spec, self.layout.total_blocks)
+            self.datapath = DataPath(self.device_cache, self.host_pool, self.layout, self.storage)
+
+    def _close_pool(self) -> None:
+        if self.datapath is not None:
+            self.datapath.close()
+            self.datapath = None
+        if self.host_pool is not None:
+            self.host_pool.close()
+            self.host_pool = None
+
+    def close(self) -> None:
+        self._close_pool()
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
+        if self.device_cache is not None:
+            self.device_cache.close()
+            self.device_cache = None

@@ -1,0 +1,39 @@
+"""TaskCounters: a worker's task, byte and error counts, fed to stats() and the metrics."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from typing import Any
+
+
+class TaskCounters:
+    """Thread-safe counters per task kind (tasks, bytes, microseconds, statuses) and errors."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: dict[str, Counter] = defaultdict(Counter)
+        self._errors: Counter = Counter()
+
+    def task(self, kind: str, status: str, nbytes: int, seconds: float, metrics: Any) -> None:
+        with self._lock:
+            c = self._tasks[kind]
+            c["tasks"] += 1
+            c["bytes"] += nbytes
+            c["microseconds"] += int(seconds * 1e6)
+            c[status] += 1
+        if metrics is not None:
+            metrics.task(kind, status, nbytes, seconds)
+
+    def error(self, kind: str, metrics: Any) -> None:
+        with self._lock:
+            self._errors[kind] += 1
+        if metrics is not None:
+            metrics.error(kind)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "tasks": {k: dict(v) for k, v in self._tasks.items()},
+                "errors": dict(self._errors),
+            }
