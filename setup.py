@@ -1,4 +1,8 @@
-"""Builds kvtier's one C extension (the batched piece copier); everything else is in pyproject."""
+"""Builds kvtier's one C extension (the batched piece copier); everything else is in pyproject.
+
+The extension is optional: without a C compiler the install still succeeds, and kvtier uses its
+two-pass torch copier (about half as fast), saying so once when a copier is made.
+"""
 
 from setuptools import Extension, setup
 
@@ -11,6 +15,7 @@ setup(
             depends=["src/kvtier/third_party/xxhash.h"],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
+            optional=True,
         )
     ]
 )

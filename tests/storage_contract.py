@@ -167,6 +167,23 @@ class StoreContract:
         assert store.stats.corrupt == corrupt_before + 1
         assert store.exists_prefix(keys) == 1  # removed: detected once, never served
 
+    header_checked_on_exists = True  # Mooncake answers existence from its master alone
+
+    def test_an_object_with_a_bad_header_is_not_stored(self, store, pool) -> None:
+        """Lookup and the write-through skip count only sound objects: a bad header is not
+        "stored" (a save re-writes it) and lookup never claims more than a load can deliver."""
+        if not self.header_checked_on_exists:
+            pytest.skip(f"{store.kind} answers existence without reading the object")
+        keys = make_keys(4)
+        self.put(store, pool, keys)
+        data = bytearray(store.read_object(keys[2]))
+        data[20] ^= 0x01  # the key digest: the header no longer checks out
+        store.write_object(keys[2], bytes(data))
+        assert store.exists_prefix(keys) == 2
+        assert self.put(store, pool, keys) == [True] * 4  # re-saved, not skipped
+        assert store.exists_prefix(keys) == 4
+        assert self.get(store, pool, keys) == [True] * 4
+
     def test_random_bit_flips_are_always_detected(self, store, pool) -> None:
         keys = make_keys(8)
         self.put(store, pool, keys[:8])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.legacy_flags import spec_from_flags
 from kvtier.spec import CacheDType, KVCacheSpec, Part
 
 
@@ -150,7 +151,7 @@ def test_from_dict_and_yaml(tmp_path) -> None:
 
 
 def test_from_old_engine_flags() -> None:
-    s = KVCacheSpec.from_flags(
+    s = spec_from_flags(
         [
             "--key_cache_shape",
             "100,8,64,128",
@@ -174,12 +175,12 @@ def test_from_old_engine_flags() -> None:
 
 
 def test_from_flags_mla_and_errors() -> None:
-    mla = KVCacheSpec.from_flags(["--key_cache_shape", "10,1,64,576", "--num_layers", "2"])
+    mla = spec_from_flags(["--key_cache_shape", "10,1,64,576", "--num_layers", "2"])
     assert not mla.has_value
     with pytest.raises(ConfigError, match="key_cache_shape: expected N,H,B,D"):
-        KVCacheSpec.from_flags(["--key_cache_shape", "10,1,64", "--num_layers", "2"])
+        spec_from_flags(["--key_cache_shape", "10,1,64", "--num_layers", "2"])
     with pytest.raises(ConfigError, match="value_cache_shape"):
-        KVCacheSpec.from_flags(
+        spec_from_flags(
             [
                 "--key_cache_shape",
                 "10,1,64,8",
@@ -190,6 +191,6 @@ def test_from_flags_mla_and_errors() -> None:
             ]
         )
     with pytest.raises(ConfigError, match="dtype"):
-        KVCacheSpec.from_flags(
+        spec_from_flags(
             ["--key_cache_shape", "10,1,64,8", "--cache_dtype", "int8", "--num_layers", "2"]
         )

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -321,11 +321,3 @@ class KVCacheSpec:
         if isinstance(data, Mapping) and "spec" in data:
             data = data["spec"]
         return cls.from_dict(data)
-
-    @classmethod
-    def from_flags(cls, argv: Sequence[str]) -> KVCacheSpec:
-        """Build from the old engine's flags (``--key_cache_shape N,H,B,D`` and friends); see
-        ``kvtier.legacy_flags``."""
-        from kvtier.legacy_flags import spec_from_flags
-
-        return spec_from_flags(argv)

@@ -28,7 +28,7 @@ def validate_storage_config(config: Mapping[str, Any]) -> None:
     kind = options.pop("backend", "file")
     faults = options.pop("faults", None)
     if kind == "file":
-        from kvtier.storage.file import FileStoreConfig
+        from kvtier.storage.file_config import FileStoreConfig
 
         FileStoreConfig.from_dict(options)
     elif kind == "mooncake":

@@ -12,7 +12,7 @@ from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header
+from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, parse_header
 
 
 class MemoryStore(StorageBackend):
@@ -29,11 +29,26 @@ class MemoryStore(StorageBackend):
         self._lock = threading.Lock()
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            for n, key in enumerate(keys):
-                if key not in self._objects:
-                    return n
+        """Counts an object only if its header is sound (the payload is checked on reads)."""
+        for n, key in enumerate(keys):
+            if not self._header_ok(key):
+                return n
         return len(keys)
+
+    def _header_ok(self, key: str) -> bool:
+        with self._lock:
+            data = self._objects.get(key)
+        if data is None:
+            return False
+        try:
+            if len(data) != self.object_bytes:
+                raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
+            parse_header(data[:HEADER_BYTES], self.fingerprint, key, self.payload_bytes)
+        except ObjectCorrupt as e:
+            self._corrupt(key, e)
+            self.delete([key])
+            return False
+        return True
 
     def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums_out)
@@ -70,9 +85,8 @@ class MemoryStore(StorageBackend):
     def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
         for i, (key, block) in enumerate(zip(keys, host_blocks)):
-            with self._lock:
-                if key in self._objects:
-                    continue
+            if self._header_ok(key):
+                continue  # immutable: the stored object stays (a corrupt one is replaced)
             payload = block.numpy()
             known = checksums[i] if checksums is not None else None
             checksum = payload_checksum(payload) if known is None else known

@@ -14,7 +14,6 @@ raise it too.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -169,15 +168,6 @@ class MooncakeStore(StorageBackend):
                 "the mooncake backend needs Mooncake: pip install 'kvtier[mooncake]' and "
                 f"apt-get install -y libibverbs1 ({e})"
             ) from None
-        if os.environ.get(BIND_ADDRESS_ENV) != config.local_hostname:
-            log.warning(
-                "%s is %r, not local_hostname %r: Mooncake may listen beyond it. The process "
-                "that hosts the store sets it (kvtier serve and the CLI do; see "
-                "process_environment)",
-                BIND_ADDRESS_ENV,
-                os.environ.get(BIND_ADDRESS_ENV),
-                config.local_hostname,
-            )
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             config.local_hostname,

@@ -1,0 +1,88 @@
+"""Installing and starting kvtier where a user would: no C compiler, any working directory."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_install_without_a_c_compiler(tmp_path) -> None:
+    """The extension is optional: a build with no working compiler still installs, and the
+    package then uses the torch copier (one warning)."""
+    source = tmp_path / "src-copy"
+    shutil.copytree(
+        REPO, source, ignore=shutil.ignore_patterns(".git", "build", "*.so", "*.egg-info")
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(source),
+            "-w",
+            str(tmp_path / "wheels"),
+        ],
+        env={**_env(), "CC": "false"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheels").glob("kvtier-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvtier/copier.py" in names
+    assert not [n for n in names if n.startswith("kvtier/_copy") and n.endswith(".so")]
+
+
+def test_workers_start_whatever_the_working_directory_holds(tmp_path) -> None:
+    """`python -m` would put the working directory first on a worker's sys.path: a `kvtier/`
+    folder there (a checkout, say) made every worker die with an ImportError."""
+    shadow = tmp_path / "kvtier"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the wrong kvtier')\n")
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "engine.py"  # the engine itself imports the installed kvtier
+    script.write_text(
+        textwrap.dedent(
+            """
+            import uuid
+            from kvtier.client import Client
+            from kvtier.spec import KVCacheSpec
+
+            spec = KVCacheSpec(num_layers=1, num_blocks=8, num_kv_heads=1, block_size=16,
+                               head_dim=32)
+            with Client.launch(spec, 1, {"backend": "memory"}, device_cache_mode="create",
+                               instance_id=f"cwd{uuid.uuid4().hex[:8]}") as client:
+                print(client.swap_out([1], [0]).status.value)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
