@@ -94,3 +94,21 @@ def pytest_terminal_summary(terminalreporter):
             f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
         )
         terminalreporter.write_line(f"{test}: {shown}")
+
+
+# ---- optional parts: skipped with the reason here, required (a failure) in CI ----------------
+
+REQUIRED = {p.strip() for p in os.environ.get("KVTIER_TESTS_REQUIRE", "").split(",") if p.strip()}
+
+
+def require_mooncake() -> None:
+    """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=mooncake) without Mooncake."""
+    from kvtier.errors import StorageError
+    from kvtier.storage.mooncake import import_mooncake
+
+    try:
+        import_mooncake()
+    except StorageError as e:
+        if "mooncake" in REQUIRED:
+            pytest.fail(f"Mooncake is required here (KVTIER_TESTS_REQUIRE): {e}")
+        pytest.skip(str(e))

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
+from conftest import require_mooncake
 
 REQUIRED_COPY_KEYS = {
     "block_size",
@@ -63,7 +63,7 @@ def test_demo_verifies_every_block_and_leaves_nothing_behind() -> None:
 
 
 def test_demo_on_mooncake_with_a_local_master_and_store_node() -> None:
-    pytest.importorskip("mooncake.store", exc_type=ImportError)
+    require_mooncake()
     out = kvtier(
         "demo",
         "--json",

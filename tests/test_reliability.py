@@ -24,6 +24,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import require_mooncake
 from crash_saver import run_iterations
 from kvtier import tasks as t
 from kvtier.client import Client
@@ -242,7 +243,7 @@ def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
         }
         master = None
     else:
-        pytest.importorskip("mooncake.store", exc_type=ImportError)
+        require_mooncake()
         from kvtier.storage.mooncake_local import LocalMaster
 
         master = LocalMaster().start()

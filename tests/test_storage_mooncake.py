@@ -6,17 +6,17 @@ import time
 
 import pytest
 
+from conftest import require_mooncake
 from kvtier.config import merge_storage_options, settings_from_env
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.host import HostPool
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
-mooncake_store = pytest.importorskip(
-    "mooncake.store",
-    reason="Mooncake not importable (pip install mooncake-transfer-engine-"
-    "non-cuda; apt-get install -y libibverbs1)",
-    exc_type=ImportError,
-)
+
+@pytest.fixture(autouse=True, scope="module")
+def _mooncake_present():
+    require_mooncake()
+
 
 from kvtier.storage import make_backend  # noqa: E402
 from kvtier.storage.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402

@@ -275,7 +275,10 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
     try:
         return func(args)
     except KvtierError as e:
-        print(f"kvtier: error: {e}", file=sys.stderr)
+        first, _, details = str(e).partition("\n")
+        print(f"kvtier: error: {first}", file=sys.stderr)  # one line; details at -v
+        if details and args.verbose:
+            print(details, file=sys.stderr)
         return 2
     except Terminated:
         print("kvtier: terminated; cleaned up", file=sys.stderr)
@@ -300,5 +303,23 @@ def _raise_on_sigterm():
         return None
 
 
+def run() -> None:
+    """The console script: ``main()``, then a fast exit.
+
+    Everything kvtier made has been released when ``main`` returns (workers stopped, shared
+    memory unlinked, sockets and temporary files removed); what is left is interpreter teardown,
+    which takes ~1 s with torch loaded. Ctrl-C promises about a second, so the process ends here
+    once its output is flushed.
+    """
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

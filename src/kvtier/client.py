@@ -177,9 +177,9 @@ class Client:
             return client
         except WorkerError as e:
             launch.kill()
-            tails = launch.log_tails()
+            summary, tails = launch.last_errors(), launch.log_tails()
             launch.remove_directory()
-            raise WorkerError(f"{e}\n{tails}") from None
+            raise WorkerError(f"{e}{' (' + summary + ')' if summary else ''}\n{tails}") from None
         except BaseException:
             launch.kill()
             launch.remove_directory()
@@ -195,13 +195,13 @@ class Client:
         while not all(r.welcomed for r in self._ranks):
             failed = [r for r in self._ranks if r.lost]
             if failed:
-                self.close()
+                self._abort()
                 r = failed[0]
                 if "protocol" in r.lost:
                     raise ProtocolMismatch(f"rank {r.position}: {r.lost}")
                 raise WorkerError(f"rank {r.position} did not start: {r.lost}")
             if time.monotonic() > deadline:
-                self.close()
+                self._abort()
                 missing = [r.position for r in self._ranks if not r.welcomed]
                 raise WorkerError(
                     f"ranks {missing} not ready after {start_timeout_s:.0f} s "
@@ -448,6 +448,13 @@ class Client:
             self.transport.close()
             if self._launch is not None:
                 self._launch.remove_directory()
+
+    def _abort(self) -> None:
+        """A failed start: end every process now (no graceful shutdown), then close."""
+        for r in self._ranks:
+            if r.process is not None and r.process.poll() is None:
+                r.process.kill()
+        self.close(timeout_s=1.0, shutdown_workers=False)
 
     def _shut_down_workers(self, timeout_s: float) -> None:
         live = {

@@ -40,7 +40,7 @@ OWNER_LOCK = ".owner.lock"
 # there (a checkout, say) would shadow the installed package and every worker would die.
 SERVE_COMMAND = (
     "import sys; sys.path[:] = [p for p in sys.path if p]; "
-    "from kvtier.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from kvtier.cli import run; run()"
 )
 
 
@@ -62,6 +62,20 @@ class Launch:
         return "\n".join(
             f"--- {p.name} ---\n{_tail(p, lines)}" for p in self.log_paths if p.exists()
         )
+
+    def last_errors(self) -> str:
+        """The last error line each worker logged (a one-line summary of a failed start)."""
+        found = []
+        for path in self.log_paths:
+            if not path.exists():
+                continue
+            lines = path.read_text(errors="replace").splitlines()
+            errors = [
+                line for line in lines if "error" in line.lower() or "Traceback" in line
+            ]
+            if errors:
+                found.append(f"{path.stem}: {errors[-1].strip()[-300:]}")
+        return "; ".join(found)
 
     def kill(self) -> None:
         for p in self.processes:

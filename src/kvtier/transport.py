@@ -30,6 +30,9 @@ from kvtier.tasks import MAX_MESSAGE_BYTES
 
 HWM_MESSAGES = 100_000
 LINGER_MS = 1000
+# At close, answers already handed to ZeroMQ get this long to reach a peer that still listens;
+# a peer that is gone must not hold a stopping worker (Ctrl-C ends things in about a second).
+CLOSE_LINGER_MS = 200
 
 Peer = bytes
 
@@ -137,10 +140,11 @@ class ThreadLocalPush:
         sock.send_multipart(frames)
 
     def close(self) -> None:
+        """Close every socket; what they still hold is dropped (the owner flushed first)."""
         with self._lock:
             self._closed = True
             for sock in self._sockets:
-                sock.close(linger=LINGER_MS)
+                sock.close(linger=0)
             self._sockets.clear()
 
 
@@ -205,7 +209,7 @@ class ZmqServer(ServerTransport):
     def close(self) -> None:
         self.push.close()
         self.answers.close(linger=0)
-        self.router.close(linger=LINGER_MS)
+        self.router.close(linger=CLOSE_LINGER_MS)
         self.context.term()
 
 

@@ -415,17 +415,25 @@ class FileStore(StorageBackend):
 
 
 def _real_directory(path: Path, mode: int) -> None:
-    """Make ``path`` a directory of its own: a link or a file found there is removed first."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        os.mkdir(path, mode)
-        return
-    if stat.S_ISDIR(st.st_mode):
-        return
-    log.warning("file store: replacing %s (not a directory) with a directory", path)
-    os.unlink(path)
-    os.mkdir(path, mode)
+    """Make ``path`` a directory of its own: a link or a file found there is removed first.
+    Several processes may do this at once (ranks sharing a store)."""
+    for _ in range(3):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            try:
+                os.mkdir(path, mode)
+                return
+            except FileExistsError:
+                continue  # another process made it: check what it is
+        if stat.S_ISDIR(st.st_mode):
+            return
+        log.warning("file store: replacing %s (not a directory) with a directory", path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    raise StorageError(f"cannot make {path} a directory: something keeps replacing it")
 
 
 def _advance(buffers: list, n: int) -> list:

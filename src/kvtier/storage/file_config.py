@@ -80,5 +80,3 @@ class FileStoreConfig:
             ) from None
         root = Path(data.get("root") or default_root()).expanduser()
         return cls(root, capacity, fsync, threads, permissions)
-
-

@@ -137,6 +137,22 @@ def process_environment(config: Mapping[str, Any] | MooncakeConfig) -> dict[str,
     return {BIND_ADDRESS_ENV: config.local_hostname}
 
 
+def import_mooncake():
+    """The MooncakeDistributedStore class, or a StorageError that says what to install."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        if "libibverbs" in str(e):
+            raise StorageError(
+                f"Mooncake needs libibverbs.so.1, which is missing: apt-get install -y libibverbs1 "
+                f"({e})"
+            ) from None
+        raise StorageError(
+            f"the mooncake backend needs Mooncake: pip install 'kvtier[mooncake]' ({e})"
+        ) from None
+    return MooncakeDistributedStore
+
+
 def probe(address: str, timeout_s: float) -> None:
     """Raise StorageUnavailable unless something accepts TCP connections at ``address``."""
     host, _, port = address.rpartition(":")
@@ -160,14 +176,8 @@ class MooncakeStore(StorageBackend):
         if not isinstance(config, MooncakeConfig):
             config = MooncakeConfig.from_dict(config or {})
         self.config = config
+        MooncakeDistributedStore = import_mooncake()
         probe(config.master_address, config.connect_timeout_s)
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as e:
-            raise StorageError(
-                "the mooncake backend needs Mooncake: pip install 'kvtier[mooncake]' and "
-                f"apt-get install -y libibverbs1 ({e})"
-            ) from None
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             config.local_hostname,

@@ -1,23 +1,56 @@
 """A Mooncake master and storage node on loopback, for tests, benchmarks and the demo.
 
 Production clusters run their own ``mooncake_master`` and storage nodes; these start the same
-programs on free loopback ports and stop them again.
+programs on free loopback ports and stop them again. They are children of the process that
+starts them and die with it (``PR_SET_PDEATHSIG``): a SIGKILLed demo leaves no master behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import StorageError, StorageUnavailable
 from kvtier.storage.mooncake import probe
+
+_PR_SET_PDEATHSIG = 1
+LIBIBVERBS_HINT = "libibverbs.so.1 is missing: apt-get install -y libibverbs1"
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the thread that started it exits (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def find_master_binary() -> str:
+    """``mooncake_master`` next to the running Python (an unactivated venv's bin), or on PATH."""
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise StorageError(
+            f"mooncake_master not found next to {sys.executable} or on PATH: "
+            "pip install 'kvtier[mooncake]'"
+        )
+    return found
+
+
+def _explain_exit(code: int | None, stderr_tail: str) -> str:
+    if "libibverbs" in stderr_tail:
+        return LIBIBVERBS_HINT
+    return f"exited with code {code}: {stderr_tail.strip()[-500:] or '(no output)'}"
 
 
 def _free_port() -> int:
@@ -57,9 +90,7 @@ class LocalMaster:
         }
 
     def start(self, timeout_s: float = 20.0) -> LocalMaster:
-        binary = shutil.which("mooncake_master")
-        if binary is None:
-            raise StorageError("mooncake_master not found: pip install 'kvtier[mooncake]'")
+        binary = find_master_binary()
         args = [
             binary,
             "--rpc_address=127.0.0.1",
@@ -73,13 +104,21 @@ class LocalMaster:
         ]
         if self.lease_ttl_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
+        # Its output goes to a file: read back when it fails, never a pipe that could fill.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            args,
+            stdout=self._log,
+            stderr=self._log,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise StorageError(f"mooncake_master exited with {self.process.returncode}")
+                raise StorageError(
+                    "mooncake_master " + _explain_exit(self.process.returncode, self.output())
+                )
             try:
                 probe(self.master_address, 0.2)
                 return self
@@ -87,6 +126,13 @@ class LocalMaster:
                 time.sleep(0.05)
         self.stop()
         raise StorageError(f"mooncake_master did not listen on {self.master_address} in time")
+
+    def output(self) -> str:
+        """What mooncake_master printed so far (its log)."""
+        if getattr(self, "_log", None) is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -120,6 +166,7 @@ class LocalStoreNode:
 
     def start(self, timeout_s: float = 30.0) -> LocalStoreNode:
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -130,14 +177,18 @@ class LocalStoreNode:
                 str(self.segment_bytes),
             ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._log,
             env=env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         ready = _read_line(self.process, timeout_s)
         if ready.strip() != "ready":
             self.stop()
-            raise StorageError(f"mooncake store node did not start: {ready!r}")
+            self._log.seek(0)
+            tail = self._log.read().decode(errors="replace")
+            why = LIBIBVERBS_HINT if "libibverbs" in tail else f"{ready!r} {tail.strip()[-500:]}"
+            raise StorageError(f"mooncake store node did not start: {why}")
         return self
 
     def stop(self) -> None:
