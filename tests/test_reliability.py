@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -581,3 +582,36 @@ def test_no_hits_across_a_weight_update(tmp_path, figures) -> None:
         figures["prefixes"] = len(prefixes)
         figures["hits_after_update"] = hits + loads
         assert hits == 0 and loads == 0
+
+
+def test_a_partial_load_never_leaves_failed_bytes_in_device_blocks(tmp_path, figures) -> None:
+    """Verification happens before a block reaches the device: the block that failed its
+    checksum keeps the engine's bytes; blocks past it hold either their old bytes or their
+    own verified bytes. bytes_moved counts what was copied."""
+    root = tmp_path / "store"
+    with engine(tmp_path, world_size=1, storage={"backend": "file", "root": str(root)}) as (
+        client,
+        (cache,),
+    ):
+        h = hashes(4, 77)
+        assert client.save(h, [1, 2, 3, 4]).status is t.Status.OK
+        with FileStore(WSPEC, {"root": root}) as store:
+            key = KeyScheme("default", WSPEC.fingerprint, rank=0).key(h[2])
+            data = bytearray(store.read_object(key))
+            data[-1] ^= 0x40  # the payload's last byte: only the copy's checksum can see it
+            store.write_object(key, bytes(data))
+        sentinel = 0xAB
+        for b in (20, 21, 22, 23):
+            for row in cache.tensors:
+                for x in row:
+                    x[b].view(torch.uint8).fill_(sentinel)
+        res = client.load(h, [20, 21, 22, 23])
+        assert res.status is t.Status.PARTIAL and res.blocks == [20, 21]
+        assert all((x[22].view(torch.uint8) == sentinel).all() for r in cache.tensors for x in r)
+        source = block(cache, 4)
+        assert same(block(cache, 23), source) or all(
+            (x[23].view(torch.uint8) == sentinel).all() for r in cache.tensors for x in r
+        )
+        copied = res.bytes_moved // WSPEC.block_bytes
+        assert res.bytes_moved % WSPEC.block_bytes == 0 and copied in (2, 3)
+        figures["blocks_copied"] = copied

@@ -15,7 +15,9 @@ from kvtier.spec import KVCacheSpec
 WSPEC = KVCacheSpec(
     num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64, dtype="block_wise_fp8"
 )
-FAST = {"worker_timeout_s": 3.0, "task_timeout_s": 20.0, "heartbeat_interval_s": 0.2}
+# Heartbeat silence that loses a rank: generous, so that a starved worker on a busy machine is
+# not declared dead; process exits are detected at once whatever this is.
+FAST = {"worker_timeout_s": 10.0, "task_timeout_s": 60.0, "heartbeat_interval_s": 0.2}
 
 
 fill = fill_random

@@ -63,9 +63,10 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvtier.demo import Workload, print_demo, run_demo
+    from kvtier.demo import Workload, check_ranks, print_demo, run_demo
 
     w = Workload.from_args(args)
+    check_ranks(args.ranks)
     if not args.json:
         print(
             f"kvtier demo: {w.users} users x {w.turns} turns sharing a "

@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import msgspec
 
 from kvtier import tasks as t
 from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
+from kvtier.fanin import ControlAnswer, TaskFuture, aggregate
 from kvtier.launcher import Launch, start_workers, worker_configs
 from kvtier.spec import KVCacheSpec
 from kvtier.transport import client_transport
@@ -60,16 +60,6 @@ class _Rank:
     last_hello: float = 0.0
 
 
-class TaskFuture(Future):
-    """A Future of an aggregated Result; ``per_rank`` holds every rank's own answer."""
-
-    per_rank: dict[int, t.Result]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.per_rank = {}
-
-
 @dataclass
 class _Pending:
     task: Any
@@ -77,15 +67,6 @@ class _Pending:
     deadline: float
     results: dict[int, t.Result] = field(default_factory=dict)
     expected: set[int] | None = None  # positions that must answer (None: all)
-
-
-@dataclass(frozen=True)
-class ControlAnswer:
-    """A control request's answer over all ranks: the worst code, and each rank's answer."""
-
-    code: t.Code
-    message: str
-    per_rank: dict[int, t.Result]
 
 
 class Client:
@@ -505,29 +486,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
-    """One answer from every rank's: shortest prefix of blocks, worst status, summed bytes.
-
-    ``bytes_moved`` is the sum over ranks (each rank moves its own shard); ``seconds`` the
-    slowest rank; ``count`` (lookup) the smallest; ``code`` (control) the worst.
-    """
-    ordered = [results[r] for r in sorted(results)]
-    worst = max(ordered, key=lambda res: t.STATUS_ORDER[res.status])
-    shortest = min((res.blocks for res in ordered), key=len)
-    messages = [f"rank {res.rank}: {res.message}" for res in ordered if res.message]
-    return t.Result(
-        task_id=task.task_id,
-        status=worst.status,
-        blocks=list(shortest),
-        count=min(res.count for res in ordered),
-        bytes_moved=sum(res.bytes_moved for res in ordered),
-        seconds=max(res.seconds for res in ordered),
-        message="; ".join(messages),
-        code=max((res.code for res in ordered), default=t.Code.NONE),
-        rank=-1,
-    )
 
 
 def _ids(ids: Any) -> list[int]:

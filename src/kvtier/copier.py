@@ -6,6 +6,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,10 +17,11 @@ from kvtier.host import HostPool
 
 log = logging.getLogger(__name__)
 
+_copy: Any = None
 try:
-    from kvtier import _copy
+    from kvtier import _copy  # type: ignore[no-redef]
 except ImportError:  # built without a C compiler: the torch path below still works
-    _copy = None
+    pass
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -179,8 +181,10 @@ class CpuBlockCopier(BlockCopier):
         super().__init__(device_cache, host_pool)
         if _copy is None:
             raise RuntimeError("kvtier._copy is not built; use TorchBlockCopier")
-        self.num_threads = num_threads or max(1, torch.get_num_threads())
-        self._host_offsets = np.array([p.offset_bytes for p in self.spec.pieces], dtype=np.int64)
+        self.num_threads: int = num_threads or max(1, torch.get_num_threads())
+        self._host_offsets: np.ndarray = np.array(
+            [p.offset_bytes for p in self.spec.pieces], dtype=np.int64
+        )
 
     def _pointers(
         self, dev: np.ndarray, host: np.ndarray

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,8 @@ import torch
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
 from kvtier.errors import ConfigError
-from kvtier.index import CacheIndex, Plan, SwapOutEviction, Tier
-from kvtier.spec import KVCacheSpec
+from kvtier.index import CacheIndex, Plan, SaveHostEviction, SwapOutEviction, Tier
+from kvtier.spec import CacheDType, KVCacheSpec
 from kvtier.tasks import Result
 
 
@@ -72,7 +72,7 @@ class Workload:
             num_kv_heads=self.heads,
             block_size=self.block_size,
             head_dim=self.head_dim,
-            dtype="bfloat16",
+            dtype=CacheDType.BFLOAT16,
         )
 
 
@@ -82,7 +82,7 @@ class Tally:
     prefill_tokens: int = 0
     tokens: Counter = field(default_factory=Counter)  # by source tier
     bytes: Counter = field(default_factory=Counter)  # by task kind
-    seconds: Counter = field(default_factory=Counter)  # by task kind
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per kind
     verified: int = 0
     checked: int = 0
 
@@ -183,16 +183,18 @@ class Engine:
         for kind, group in itertools.groupby(plan.evictions, key=type):
             batch = list(group)
             if kind is SwapOutEviction:
+                swaps = [e for e in batch if isinstance(e, SwapOutEviction)]
                 self._call(
                     "swap_out",
                     self.client.swap_out,
-                    [e.device_block_id for e in batch],
-                    [e.host_block_id for e in batch],
+                    [e.device_block_id for e in swaps],
+                    [e.host_block_id for e in swaps],
                 )
                 continue
-            hashes = [e.block_hash for e in batch]
+            saves = [e for e in batch if isinstance(e, SaveHostEviction)]
+            hashes = [e.block_hash for e in saves]
             res = self._call(
-                "save_host", self.client.save_host, hashes, [e.host_block_id for e in batch]
+                "save_host", self.client.save_host, hashes, [e.host_block_id for e in saves]
             )
             for j, h in enumerate(hashes):
                 self.index.apply_save_host(h, j < len(res.blocks))
@@ -270,6 +272,11 @@ def run(
 MAX_RANKS = 64
 
 
+def check_ranks(ranks: int) -> None:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise ConfigError("ranks", f"must be an integer in 1..{MAX_RANKS}, got {ranks!r}")
+
+
 def run_demo(
     w: Workload,
     backend: str,
@@ -282,8 +289,7 @@ def run_demo(
     """The demo: a file store in a temporary directory (or ``keep_store``), a memory store, or
     Mooncake (``mooncake`` options, or a master and storage node started on loopback). Leaves
     nothing behind unless ``keep_store``, also when interrupted."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
-        raise ConfigError("ranks", f"must be an integer in 1..{MAX_RANKS}, got {ranks!r}")
+    check_ranks(ranks)
     with contextlib.ExitStack() as stack:
         if backend == "file":
             root = keep_store or tempfile.mkdtemp(prefix="kvtier-demo-")

@@ -20,12 +20,9 @@ checked on the descriptor (regular, ours, 0600), mapped from that descriptor.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -35,16 +32,19 @@ import torch
 
 from kvtier import shm
 from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
+from kvtier.segment import (
+    HEADER_BYTES,
+    SegmentLayout,
+    check_spec,
+    cpu_views,
+    create_cpu,
+    encode_header,
+    read_header,
+)
 from kvtier.shm import SegmentKind
 from kvtier.spec import KVCacheSpec, Part
 
 log = logging.getLogger(__name__)
-
-HEADER_BYTES = 4096
-ALIGN_BYTES = 4096
-_MAGIC = b"KVTIERDC"
-_HEADER_FORMAT = "<8sII"  # magic, format version, json length
-_FORMAT_VERSION = 2
 
 
 class CacheMode(str, Enum):
@@ -58,51 +58,6 @@ def cache_name(instance_id: str, rank: int, device_index: int = 0) -> str:
     name = f"kvtier-{instance_id}-rank{rank}-dev{device_index}"
     shm.check_name(name)
     return name
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-
-
-@dataclass(frozen=True)
-class SegmentLayout:
-    """Where each (layer, part) tensor of a CPU segment lives, after the header page.
-
-    ``pieces[i]`` is (offset_bytes, block_stride_bytes) of ``spec.pieces[i]``'s tensor: block b
-    of that tensor starts at ``offset + b * block_stride``. ``data_bytes`` is the data region.
-    """
-
-    pieces: tuple[tuple[int, int], ...]
-    data_bytes: int
-
-    @classmethod
-    def packed(cls, spec: KVCacheSpec) -> SegmentLayout:
-        """kvtier's own placement: each tensor contiguous and page-aligned."""
-        pieces, offset = [], 0
-        for layer in range(spec.total_layers):
-            for part in spec.parts:
-                block = spec.part_block_bytes(part)
-                pieces.append((offset, block))
-                offset = _align(offset + spec.layer_num_blocks(layer) * block)
-        return cls(tuple(pieces), max(offset, ALIGN_BYTES))
-
-    def check(self, spec: KVCacheSpec) -> None:
-        """Raise LayoutMismatch unless every tensor fits in the region, aligned."""
-        if len(self.pieces) != len(spec.pieces):
-            raise LayoutMismatch(
-                f"layout has {len(self.pieces)} tensors; the spec has {len(spec.pieces)}"
-            )
-        for piece, (offset, stride) in zip(spec.pieces, self.pieces):
-            where = f"layer {piece.layer} {piece.part.value}"
-            itemsize = spec.torch_dtype(piece.part).itemsize
-            n = spec.layer_num_blocks(piece.layer)
-            if offset < 0 or stride < piece.size_bytes or offset % itemsize or stride % itemsize:
-                raise LayoutMismatch(
-                    f"{where}: offset {offset} / block stride {stride} unusable for "
-                    f"{piece.size_bytes}-byte blocks"
-                )
-            if offset + (n - 1) * stride + piece.size_bytes > self.data_bytes:
-                raise LayoutMismatch(f"{where}: ends past the {self.data_bytes}-byte region")
 
 
 def check_tensor(spec: KVCacheSpec, layer: int, part: Part, t: torch.Tensor) -> None:
@@ -178,7 +133,7 @@ class DeviceCache:
         fd = shm.create_locked(path, f"device cache {name!r}")
         try:
             if dev.type == "cpu":
-                tensors, segment = _create_cpu(spec, fd, layout or SegmentLayout.packed(spec))
+                tensors, segment = create_cpu(spec, fd, layout or SegmentLayout.packed(spec))
             else:
                 tensors = [
                     [
@@ -382,77 +337,6 @@ def _find_published(name: str, device_type: str | None) -> Path:
     return found[0]
 
 
-def _encode_header(meta: dict[str, Any]) -> bytes:
-    body = json.dumps(meta, sort_keys=True).encode()
-    head = struct.pack(_HEADER_FORMAT, _MAGIC, _FORMAT_VERSION, len(body)) + body
-    if len(head) > HEADER_BYTES:
-        raise DeviceCacheError("device cache header does not fit in one page")
-    return head
-
-
-def _read_header(fd: int, path: Path) -> dict[str, Any]:
-    raw = os.pread(fd, HEADER_BYTES, 0)
-    fixed = struct.calcsize(_HEADER_FORMAT)
-    if len(raw) < fixed:
-        raise DeviceCacheError(f"{path} is not a kvtier device cache (too short)")
-    magic, version, length = struct.unpack_from(_HEADER_FORMAT, raw)
-    if magic != _MAGIC or version != _FORMAT_VERSION or fixed + length > len(raw):
-        raise DeviceCacheError(f"{path} is not a kvtier device cache (format {version})")
-    try:
-        meta = json.loads(raw[fixed : fixed + length])
-    except ValueError as e:
-        raise DeviceCacheError(f"{path} has a malformed header: {e}") from None
-    if not isinstance(meta, dict) or "spec" not in meta or "device" not in meta:
-        raise DeviceCacheError(f"{path} has a malformed header")
-    return meta
-
-
-def _check_spec(spec: KVCacheSpec, meta: dict[str, Any], name: str) -> None:
-    published = KVCacheSpec.from_dict(meta["spec"])
-    diff = published.differences(spec)
-    if diff:
-        raise LayoutMismatch(
-            f"device cache {name!r} was created with a different layout "
-            f"(published != ours): {'; '.join(diff)}"
-        )
-
-
-def _create_cpu(
-    spec: KVCacheSpec, fd: int, layout: SegmentLayout
-) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    layout.check(spec)
-    total = HEADER_BYTES + _align(layout.data_bytes)
-    shm.reserve(fd, total, "the device cache")
-    meta = {
-        "spec": spec.to_dict(),
-        "device": "cpu",
-        "owner_pid": os.getpid(),
-        "bytes": total,
-        "layout": [list(p) for p in layout.pieces],
-        "data_bytes": layout.data_bytes,
-    }
-    os.pwrite(fd, _encode_header(meta), 0)
-    segment = shm.map_descriptor(fd, total)
-    segment[HEADER_BYTES:].zero_()  # first touch now, not on the first swap
-    return _cpu_views(spec, segment, layout), segment
-
-
-def _cpu_views(
-    spec: KVCacheSpec, segment: torch.Tensor, layout: SegmentLayout
-) -> list[list[torch.Tensor]]:
-    data = segment[HEADER_BYTES:]
-    tensors: list[list[torch.Tensor]] = [[] for _ in range(spec.total_layers)]
-    for piece, (offset, stride) in zip(spec.pieces, layout.pieces):
-        dtype = spec.torch_dtype(piece.part)
-        n = spec.layer_num_blocks(piece.layer)
-        raw = data[offset : offset + (n - 1) * stride + piece.size_bytes]
-        shape = spec.part_shape(piece.part, n)
-        inner = [int(np.prod(shape[i + 1 :])) for i in range(1, len(shape))]
-        view = raw.view(dtype).as_strided(shape, [stride // dtype.itemsize, *inner])
-        tensors[piece.layer].append(view)
-    return tensors
-
-
 def _write_cuda_handles(fd: int, spec: KVCacheSpec, tensors: list[list[torch.Tensor]]) -> None:
     from kvtier.cuda_ipc import encode_handles
 
@@ -463,7 +347,7 @@ def _write_cuda_handles(fd: int, spec: KVCacheSpec, tensors: list[list[torch.Ten
         "owner_pid": os.getpid(),
         "handles_bytes": len(payload),
     }
-    head = _encode_header(meta)
+    head = encode_header(meta)
     os.ftruncate(fd, HEADER_BYTES + len(payload))
     os.pwrite(fd, head, 0)
     os.pwrite(fd, payload, HEADER_BYTES)
@@ -481,8 +365,8 @@ def _attach_path(
             raise DeviceCacheError(
                 f"device cache {name!r} was left by a crashed owner; restart the owner"
             )
-        meta = _read_header(fd, path)
-        _check_spec(spec, meta, name)
+        meta = read_header(fd, path)
+        check_spec(spec, meta, name)
         size = os.fstat(fd).st_size
         if meta["device"] == "cpu":
             try:
@@ -496,7 +380,7 @@ def _attach_path(
             if size < total or total < HEADER_BYTES + layout.data_bytes:
                 raise DeviceCacheError(f"{path} is truncated: {size} < {total} bytes")
             segment = shm.map_descriptor(fd, total)
-            return _cpu_views(spec, segment, layout), segment
+            return cpu_views(spec, segment, layout), segment
         length = meta.get("handles_bytes")
         if not isinstance(length, int) or not 0 < length <= min(MAX_HANDLES_BYTES, size):
             raise DeviceCacheError(f"{path} has a malformed handle table")

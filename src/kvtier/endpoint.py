@@ -75,7 +75,7 @@ def _unlink_socket(path: Path) -> None:
 
 def reclaim_sockets(directory: Path) -> list[str]:
     """Remove sockets (and their locks) in ``directory`` whose workers are provably dead."""
-    removed = []
+    removed: list[str] = []
     try:
         locks = [p for p in directory.iterdir() if p.name.endswith(".sock" + LOCK_SUFFIX)]
     except OSError:

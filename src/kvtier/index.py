@@ -163,7 +163,7 @@ class CacheIndex:
             state.device = device
             plan.block_table.append(device)
             plan.sources.append(source)
-            if source is Tier.HOST:
+            if source is Tier.HOST and state.host is not None:
                 plan.swap_ins.append((state.host, device))
             elif source is Tier.STORAGE:
                 plan.loads.append((h, device))

@@ -39,8 +39,7 @@ OWNER_LOCK = ".owner.lock"
 # `python -m kvtier.cli` would put the working directory first on sys.path: a `kvtier/` folder
 # there (a checkout, say) would shadow the installed package and every worker would die.
 SERVE_COMMAND = (
-    "import sys; sys.path[:] = [p for p in sys.path if p]; "
-    "from kvtier.cli import run; run()"
+    "import sys; sys.path[:] = [p for p in sys.path if p]; from kvtier.cli import run; run()"
 )
 
 
@@ -70,9 +69,7 @@ class Launch:
             if not path.exists():
                 continue
             lines = path.read_text(errors="replace").splitlines()
-            errors = [
-                line for line in lines if "error" in line.lower() or "Traceback" in line
-            ]
+            errors = [line for line in lines if "error" in line.lower() or "Traceback" in line]
             if errors:
                 found.append(f"{path.stem}: {errors[-1].strip()[-300:]}")
         return "; ".join(found)
@@ -172,7 +169,7 @@ def reclaim_orphans() -> None:
 
 def reclaim_launch_dirs(directory: Path) -> list[str]:
     """Remove this user's launch directories whose launcher is provably dead (lock free)."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = [p for p in directory.iterdir() if p.name.startswith(LAUNCH_DIR_PREFIX)]
     except OSError:

@@ -85,4 +85,4 @@ def _parse_shape(field: str, text: str) -> tuple[int, int, int, int]:
         raise ConfigError(field, f"expected N,H,B,D (four integers), got {text!r}") from None
     if len(dims) != 4 or any(d <= 0 for d in dims):
         raise ConfigError(field, f"expected N,H,B,D (four positive integers), got {text!r}")
-    return dims  # type: ignore[return-value]
+    return dims[0], dims[1], dims[2], dims[3]

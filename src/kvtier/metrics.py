@@ -69,7 +69,7 @@ class WorkerMetrics:
             "kvtier_errors", "Errors by kind", ["rank", "kind"], registry=self.registry
         )
         self.registry.register(_Snapshot(self.rank, snapshot))
-        self._server = None
+        self._server: Any = None
 
     def task(self, kind: str, status: str, nbytes: int, seconds: float) -> None:
         self._tasks.labels(self.rank, kind, status).inc()

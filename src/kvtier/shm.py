@@ -235,7 +235,7 @@ def reclaim_orphans(directory: Path | None = None) -> list[str]:
     """
     directory = directory or SHM_DIR
     suffixes = tuple(f".{k.value}" for k in SegmentKind)
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:

@@ -73,19 +73,19 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
-class SwapOut(_Message, tag="swap_out", kw_only=True):
+class SwapOut(_Message, tag="swap_out", frozen=True, kw_only=True):
     task_id: int = 0
     device_block_ids: list[int]
     host_block_ids: list[int]
 
 
-class SwapIn(_Message, tag="swap_in", kw_only=True):
+class SwapIn(_Message, tag="swap_in", frozen=True, kw_only=True):
     task_id: int = 0
     host_block_ids: list[int]
     device_block_ids: list[int]
 
 
-class Save(_Message, tag="save", kw_only=True):
+class Save(_Message, tag="save", frozen=True, kw_only=True):
     """Device -> storage, skipping the already-stored prefix."""
 
     task_id: int = 0
@@ -93,7 +93,7 @@ class Save(_Message, tag="save", kw_only=True):
     device_block_ids: list[int]
 
 
-class Load(_Message, tag="load", kw_only=True):
+class Load(_Message, tag="load", frozen=True, kw_only=True):
     """Storage -> device: the longest stored prefix, cut at the first block that fails."""
 
     task_id: int = 0
@@ -101,45 +101,45 @@ class Load(_Message, tag="load", kw_only=True):
     device_block_ids: list[int]
 
 
-class SaveHost(_Message, tag="save_host", kw_only=True):
+class SaveHost(_Message, tag="save_host", frozen=True, kw_only=True):
     task_id: int = 0
     block_hashes: list[bytes]
     host_block_ids: list[int]
 
 
-class LoadHost(_Message, tag="load_host", kw_only=True):
+class LoadHost(_Message, tag="load_host", frozen=True, kw_only=True):
     task_id: int = 0
     block_hashes: list[bytes]
     host_block_ids: list[int]
 
 
-class Lookup(_Message, tag="lookup", kw_only=True):
+class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
     """How many leading blocks are stored."""
 
     task_id: int = 0
     block_hashes: list[bytes]
 
 
-class Control(_Message, tag="control", kw_only=True):
+class Control(_Message, tag="control", frozen=True, kw_only=True):
     task_id: int = 0
     method: str
     args: dict[str, Scalar] = {}
 
 
-class Hello(_Message, tag="hello", kw_only=True):
+class Hello(_Message, tag="hello", frozen=True, kw_only=True):
     protocol_version: int
     client_id: str = ""
 
 
-class Heartbeat(_Message, tag="heartbeat", kw_only=True):
+class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):
     sent_at: float
 
 
-class Shutdown(_Message, tag="shutdown", kw_only=True):
+class Shutdown(_Message, tag="shutdown", frozen=True, kw_only=True):
     task_id: int = 0
 
 
-class Result(_Message, tag="result", kw_only=True):
+class Result(_Message, tag="result", frozen=True, kw_only=True):
     """The one answer to a task.
 
     ``blocks``: swap tasks, the device (swap_out: host) ids done; load/save, the ids whose blocks
@@ -160,7 +160,7 @@ class Result(_Message, tag="result", kw_only=True):
     data: Data = {}
 
 
-class Welcome(_Message, tag="welcome", kw_only=True):
+class Welcome(_Message, tag="welcome", frozen=True, kw_only=True):
     """The worker's answer to Hello."""
 
     protocol_version: int

@@ -294,7 +294,7 @@ class LocalServer(ServerTransport):
             _local_servers[self.endpoint] = self
 
     def receive(self, timeout_s: float) -> list[tuple[Peer, bytes]]:
-        out = []
+        out: list[tuple[Peer, bytes]] = []
         try:
             item = self.inbox.get(timeout=timeout_s)
         except queue.Empty:
@@ -345,7 +345,7 @@ class LocalClient(ClientTransport):
         self.inbox.put((self._servers.index(server), payload))
 
     def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
-        out = []
+        out: list[tuple[int, bytes]] = []
         try:
             item = self.inbox.get(timeout=timeout_s)
         except queue.Empty:

@@ -233,6 +233,7 @@ class MooncakeStore(StorageBackend):
                         "call register_host_pool(pool) first"
                     )
                 index = region.pool.block_index(ptr)
+            assert region is not None and index is not None
             out.append((region.objects[index, :HEADER_BYTES], ptr - HEADER_BYTES))
         return out
 

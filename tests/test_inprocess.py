@@ -1,0 +1,243 @@
+"""The worker's parts in one process, with real objects and no sockets: Gate, aggregate,
+DataPath, ControlPlane, and a Worker and Client over the in-process ``local://`` transport.
+
+Fast (no process start): the process tests stay for what only processes show.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import msgspec
+import numpy as np
+import pytest
+
+from conftest import fill_random
+from kvtier import tasks as t
+from kvtier.client import Client, aggregate
+from kvtier.config import WorkerConfig
+from kvtier.control_plane import Answer, ControlPlane
+from kvtier.datapath import DataPath
+from kvtier.device import DeviceCache, cache_name
+from kvtier.errors import InvalidBlockHash, InvalidBlockIds
+from kvtier.gate import Gate, Refusal, WorkerState
+from kvtier.host import HostLayout, HostPool
+from kvtier.keys import KeyScheme, block_hashes
+from kvtier.resources import RankResources
+from kvtier.storage.memory import MemoryStore
+from kvtier.transport import LocalClient
+from kvtier.worker import Worker
+from worker_helpers import WSPEC, block, same
+
+
+def hashes(n: int, seed: int = 0) -> list[bytes]:
+    tokens = np.random.default_rng(seed).integers(0, 50_000, n * WSPEC.block_size)
+    return block_hashes(tokens, WSPEC.block_size)
+
+
+# ---- Gate -------------------------------------------------------------------------------------
+
+
+def test_gate_holds_in_order_and_refuses_by_state() -> None:
+    gate, ran = Gate(), []
+    assert gate.admit("a", ran.append) is None and ran == ["a"]
+    gate.set_state(WorkerState.PAUSED)
+    for item in "bcd":
+        assert gate.admit(item, ran.append) is None
+    assert ran == ["a"] and gate.held == 3
+    assert gate.resume(ran.append) == 3 and ran == list("abcd")
+    assert gate.in_flight == 4
+    gate.done(4)
+    assert gate.wait_idle(0.1)
+    gate.set_state(WorkerState.SLEEPING)
+    assert gate.admit("e", ran.append) is Refusal.SLEEPING
+    gate.set_state(WorkerState.WAKING)  # a wakeup under way holds, like a pause
+    assert gate.admit("f", ran.append) is None and gate.held == 1
+    gate.set_state(WorkerState.STOPPING)
+    assert gate.admit("g", ran.append) is Refusal.STOPPING
+    assert gate.take_held() == ["f"]
+
+
+# ---- aggregate --------------------------------------------------------------------------------
+
+
+def test_aggregate_takes_the_shortest_prefix_and_the_worst_status() -> None:
+    task = t.Load(task_id=7, block_hashes=hashes(3), device_block_ids=[1, 2, 3])
+    results = {
+        0: t.Result(task_id=7, status=t.Status.OK, blocks=[1, 2, 3], bytes_moved=30, rank=0),
+        1: t.Result(
+            task_id=7, status=t.Status.PARTIAL, blocks=[1], bytes_moved=10, message="x", rank=1
+        ),
+    }
+    out = aggregate(task, results)
+    assert (out.status, out.blocks, out.bytes_moved) == (t.Status.PARTIAL, [1], 40)
+    assert out.message == "rank 1: x"
+    control = aggregate(
+        t.Control(task_id=8, method="pause"),
+        {
+            0: t.Result(task_id=8, status=t.Status.OK, code=t.Code.OK),
+            1: t.Result(task_id=8, status=t.Status.ERROR, code=t.Code.CONFLICT),
+        },
+    )
+    assert control.code is t.Code.CONFLICT
+
+
+# ---- DataPath ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def datapath():
+    layout = HostLayout(engine_blocks=8, staging_blocks=2)
+    name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
+    with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
+        fill_random(cache, 1)
+        store = MemoryStore(WSPEC)
+        path = DataPath(cache, pool, layout, store)
+        yield path, cache, KeyScheme("m", WSPEC.fingerprint, 0, "v1")
+        path.close()
+
+
+def test_datapath_saves_and_loads_real_bytes_in_staging_steps(datapath) -> None:
+    path, cache, keys = datapath
+    h = hashes(5)  # more than the 2 staging blocks: several steps
+    want = [block(cache, b) for b in range(5)]
+    saved = path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+    assert saved.blocks == [0, 1, 2, 3, 4] and saved.bytes_moved == 5 * WSPEC.block_bytes
+    again = path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+    assert again.bytes_moved == 0  # the stored prefix is skipped: nothing moved
+    loaded = path.run(t.Load(block_hashes=h, device_block_ids=[30, 31, 32, 33, 34]), keys)
+    assert loaded.blocks == [30, 31, 32, 33, 34]
+    assert all(same(block(cache, 30 + i), want[i]) for i in range(5))
+    other = keys.with_version("v2")
+    assert path.run(t.Lookup(block_hashes=h), other).count == 0  # keys are per task
+
+
+def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:
+    path, _, keys = datapath
+    with pytest.raises(InvalidBlockIds, match="host block id 8 out of range 0..7"):
+        path.run(t.SwapOut(device_block_ids=[1], host_block_ids=[8]), keys)  # staging is private
+    with pytest.raises(InvalidBlockIds, match="host block id 3 appears twice"):
+        path.run(t.LoadHost(block_hashes=hashes(2), host_block_ids=[3, 3]), keys)
+    with pytest.raises(InvalidBlockHash, match="block hash 0 has 4 bytes"):
+        path.run(t.Lookup(block_hashes=[b"abcd"]), keys)
+
+
+# ---- ControlPlane -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def control_plane(tmp_path):
+    config = WorkerConfig(
+        spec=WSPEC,
+        instance_id=f"cp{uuid.uuid4().hex[:8]}",
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+        num_host_blocks=4,
+        staging_blocks=1,
+    )
+    resources = RankResources(config).open()
+    gate = Gate()
+    answers: list[tuple[str, Answer]] = []
+    done = threading.Event()
+
+    def reply(peer: bytes, task: t.Control, answer: Answer) -> None:
+        answers.append((task.method, answer))
+        done.set()
+
+    plane = ControlPlane(
+        resources,
+        gate,
+        submit=lambda item: None,
+        reply=reply,
+        cancel=lambda item, why: None,
+        stats=lambda: {"ok": 1},
+        rank=0,
+    )
+
+    def call(method: str, **args) -> Answer:
+        done.clear()
+        plane.receive(b"peer", t.Control(method=method, args=args))
+        assert done.wait(10)
+        return answers[-1][1]
+
+    yield call, gate, resources
+    plane.close()
+    resources.close()
+
+
+def test_control_plane_answers_in_every_state(control_plane) -> None:
+    call, gate, resources = control_plane
+    assert call("reboot").code is t.Code.BAD_REQUEST
+    assert call("pause", bogus=1).code is t.Code.BAD_REQUEST
+    assert call("pause").code is t.Code.OK and gate.state is WorkerState.PAUSED
+    assert "already paused" in call("pause").message
+    answer = call("update_weights", version="RL-STEP4")
+    assert answer.code is t.Code.OK and resources.keys.version == "RL-STEP4"
+    assert call("update_weights", version=5).code is t.Code.BAD_REQUEST
+    assert call("update_weights", version="bad version").code is t.Code.BAD_REQUEST
+    assert call("resume").code is t.Code.OK and gate.state is WorkerState.RUNNING
+    assert call("sleep").code is t.Code.OK and gate.state is WorkerState.SLEEPING
+    assert not resources.device_cache.attached
+    assert call("resume").code is t.Code.CONFLICT
+    assert call("wakeup").code is t.Code.OK and resources.device_cache.attached
+    assert call("stats").data == {"ok": 1}
+
+
+# ---- a Worker and a Client in one process -----------------------------------------------------
+
+
+@pytest.fixture
+def local_worker():
+    config = WorkerConfig(
+        spec=WSPEC,
+        instance_id=f"lw{uuid.uuid4().hex[:8]}",
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+        num_host_blocks=8,
+        staging_blocks=2,
+        endpoint=f"local://{uuid.uuid4().hex}",
+    )
+    worker = Worker(config).start()
+    yield worker
+    worker.close()
+
+
+def test_worker_and_client_in_one_process(local_worker) -> None:
+    cache = local_worker.resources.device_cache
+    fill_random(cache, 4)
+    want = block(cache, 5)
+    with Client.connect([local_worker.config.endpoint], start_timeout_s=10) as client:
+        assert client.swap_out([5], [0]).status is t.Status.OK
+        assert client.swap_in([0], [9]).status is t.Status.OK
+        assert same(block(cache, 9), want)
+        h = hashes(2, 3)
+        assert client.save(h, [5, 6]).blocks == [5, 6]
+        assert client.load(h, [10, 11]).blocks == [10, 11] and same(block(cache, 10), want)
+        assert client.control("pause").code == 200
+        held = client.submit(t.SwapOut(device_block_ids=[1], host_block_ids=[1]))
+        time.sleep(0.1)
+        assert not held.done()
+        assert client.control("resume").code == 200
+        assert held.result(10).status is t.Status.OK
+        stats = client.control("stats").per_rank[0].data
+        assert stats["state"] == "running" and stats["tasks"]["save"]["tasks"] == 1
+
+
+def test_a_peer_without_hello_gets_errors_and_keeps_nothing_alive(local_worker) -> None:
+    peer = LocalClient([local_worker.config.endpoint])
+    peer.open()
+    peer.send(0, t.encode(t.SwapOut(task_id=5, device_block_ids=[1], host_block_ids=[1])))
+    peer.send(0, msgspec.msgpack.encode({"type": "lookup", "task_id": 6, "block_hashes": 3}))
+    answers = {}
+    deadline = time.monotonic() + 10
+    while len(answers) < 2 and time.monotonic() < deadline:
+        for _, payload in peer.receive(0.1):
+            message = t.decode(payload)
+            answers[message.task_id] = message
+    assert answers[5].status is t.Status.ERROR and "say hello first" in answers[5].message
+    assert answers[6].status is t.Status.ERROR and "malformed task" in answers[6].message
+    stats = local_worker.stats()
+    assert stats["errors"]["unauthenticated"] == 1 and "swap_out" not in stats["tasks"]
+    peer.close()

@@ -1,0 +1,81 @@
+"""The codebase's shape: no import cycles (function-level and type-only imports included),
+small modules and functions, and a CLI that answers --help without importing torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "kvtier"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in SRC.rglob("*.py")}
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every kvtier module ``path`` imports, wherever the import statement is."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in known}
+    return found
+
+
+def test_no_import_cycles_anywhere() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, set(modules)) - {name} for name, path in modules.items()}
+    # The package itself re-exports names lazily; a submodule importing `kvtier` is fine.
+    for deps in graph.values():
+        deps.discard("kvtier")
+    cycles = []
+
+    def visit(node: str, stack: list[str], seen: set[str]) -> None:
+        for dep in sorted(graph[node]):
+            if dep in stack:
+                cycles.append(stack[stack.index(dep) :] + [dep])
+            elif dep not in seen:
+                seen.add(dep)
+                visit(dep, stack + [dep], seen)
+
+    for name in graph:
+        visit(name, [name], {name})
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+def test_modules_and_functions_are_small() -> None:
+    too_long = []
+    for name, path in _modules().items():
+        lines = path.read_text().splitlines()
+        if len(lines) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name}: {length} lines")
+    assert not too_long, too_long
+
+
+def test_help_answers_without_importing_torch() -> None:
+    code = (
+        "import sys; from kvtier.cli import build_parser; build_parser(); "
+        "import kvtier; kvtier.KvtierError; "
+        "print(sorted(m for m in ('torch', 'zmq', 'vllm', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
