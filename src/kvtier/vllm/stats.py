@@ -1,0 +1,77 @@
+"""True hit counts: what the connector looked up, found, loaded and failed, per interval.
+
+vLLM counts a hit when the scheduler accepts it, even if its load later fails. These counters
+say what really happened: ``requested_tokens`` (looked up), ``found_tokens`` (stored on every
+rank), ``loaded_tokens`` (verified and in the engine's blocks), ``failed_tokens`` (reported to
+vLLM for recompute), plus bytes and seconds of loads and saves. They reach vLLM's logger
+(``get_kv_connector_stats``) and its Prometheus endpoint as ``vllm:kvtier_*`` counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+COUNTERS = {
+    "lookups": "requests looked up in kvtier",
+    "requested_tokens": "prompt tokens looked up in kvtier",
+    "found_tokens": "tokens kvtier holds on every rank (accepted hits)",
+    "loaded_tokens": "tokens loaded, verified, in vLLM's blocks (summed over ranks)",
+    "failed_tokens": "tokens whose load failed and that vLLM recomputed (summed over ranks)",
+    "load_bytes": "bytes loaded into vLLM's KV cache",
+    "load_seconds": "time kvtier workers spent loading",
+    "saved_tokens": "prompt tokens submitted for saving (summed over ranks)",
+    "save_bytes": "bytes written to storage",
+    "save_failures": "save tasks that failed",
+}
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    def add(self, **counts: float) -> None:
+        for name, value in counts.items():
+            self.data[name] = self.data.get(name, 0) + value
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if other is not None and not other.is_empty():
+            for name, value in other.data.items():
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        seconds = out["load_seconds"]
+        out["load_gbps"] = round(out["load_bytes"] / seconds / 1e9, 3) if seconds else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvtier_<counter>`` per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        for name, text in COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:kvtier_{name}", documentation=f"kvtier: {text}", labelnames=labelnames
+            )
+            self.counters[name] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self.counters.get(name)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
