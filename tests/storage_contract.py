@@ -184,6 +184,24 @@ class StoreContract:
         assert store.exists_prefix(keys) == 4
         assert self.get(store, pool, keys) == [True] * 4
 
+    def test_scattered_reads_land_in_order_and_defer_the_payload_check(self, store, pool) -> None:
+        if not store.supports_scattered_reads:
+            pytest.skip(f"{store.kind} reads into host blocks only")
+        keys = make_keys(3)
+        self.put(store, pool, keys)
+        pieces = [4096, CONTRACT_SPEC.block_bytes - 4096 - 100, 100]
+        targets = [[memoryview(bytearray(n)) for n in pieces] for _ in keys]
+        sums = np.zeros(3, dtype=np.uint64)
+        assert store.get_into_scattered(keys, targets, sums) == [True] * 3
+        for key, views, checksum in zip(keys, targets, sums):
+            joined = b"".join(bytes(v) for v in views)
+            assert joined == bytes(expected_block(key, CONTRACT_SPEC.block_bytes).numpy())
+            assert int(checksum) == payload_checksum(joined)  # the stored checksum, handed on
+        missing = make_keys(1)
+        assert store.get_into_scattered(missing, targets[:1], sums) == [False]
+        with pytest.raises(StorageError):
+            store.get_into_scattered(keys[:1], [[memoryview(bytearray(10))]], sums)
+
     def test_random_bit_flips_are_always_detected(self, store, pool) -> None:
         keys = make_keys(8)
         self.put(store, pool, keys[:8])

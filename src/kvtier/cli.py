@@ -26,6 +26,10 @@ BENCHES = {
     "storage": ("storage save/load GB/s vs raw disk / raw Mooncake", "kvtier_bench.storage"),
     "e2e": ("the chat workload: device-only vs +host vs kvtier", "kvtier_bench.e2e"),
     "latency": ("1-block swap round trip vs raw ZeroMQ round trip", "kvtier_bench.latency"),
+    "vllm": (
+        "a real vLLM engine: recompute vs kvtier miss+save vs kvtier hits",
+        "kvtier_bench.vllm",
+    ),
 }
 
 

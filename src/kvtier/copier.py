@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from kvtier.device import DeviceCache
 from kvtier.errors import InvalidBlockIds, LayoutMismatch
@@ -97,6 +99,49 @@ class BlockCopier(ABC):
             self._swap_in(host[ok], dev[ok], False)
         return ok
 
+    # ---- direct access to device blocks (CPU caches only) -----------------------------------
+
+    @property
+    def direct_device_access(self) -> bool:
+        """Whether device blocks are host memory that I/O can read into directly (CPU)."""
+        return self.device_cache.device.type == "cpu"
+
+    def device_pieces(self, device_block_ids: BlockIds) -> list[list[memoryview]]:
+        """Per block, writable views of its (layer, part) pieces in page-first order: the
+        stored object's payload, scattered over the device tensors. CPU caches only."""
+        if not self.direct_device_access:
+            raise InvalidBlockIds("device blocks of a CUDA cache are not host memory")
+        dev = as_block_ids(device_block_ids, "device_block_ids")
+        self.check_device_ids(dev, destination=True)
+        base, stride, size = self.device_cache.piece_table()
+        addresses = base[None, :] + dev[:, None] * stride[None, :]
+        sizes = size.tolist()
+        return [
+            [_memoryview_at(int(a), n) for a, n in zip(row, sizes)] for row in addresses.tolist()
+        ]
+
+    def verify_device_blocks(self, device_block_ids: BlockIds, expected: np.ndarray) -> np.ndarray:
+        """Per block: do its bytes hash to ``expected[i]``? A block that does not is zeroed, so
+        bytes that failed verification never stay in the engine's cache."""
+        dev = as_block_ids(device_block_ids, "device_block_ids")
+        if dev.size == 0:
+            return np.zeros(0, dtype=bool)
+        ok = self._hash_device(dev) == np.asarray(expected, dtype=np.uint64)
+        for row in self.device_pieces(dev[~ok]) if not ok.all() else ():
+            for view in row:
+                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
+        return ok
+
+    def _hash_device(self, dev: np.ndarray) -> np.ndarray:
+        """XXH3-64 of each device block's pieces in page-first order (one pass)."""
+        out = np.empty(dev.size, dtype=np.uint64)
+        for i, row in enumerate(self.device_pieces(dev)):
+            h = xxhash.xxh3_64()
+            for view in row:
+                h.update(view)
+            out[i] = h.intdigest()
+        return out
+
     def check_device_ids(self, dev: np.ndarray, *, destination: bool) -> None:
         """Range-check device ids (and, for a destination, refuse duplicates)."""
         self.device_cache.tensors  # noqa: B018 - raises DeviceCacheDetached while asleep
@@ -140,6 +185,10 @@ class BlockCopier(ABC):
         if duplicate is not None:
             raise InvalidBlockIds(f"{name} block id {duplicate} appears twice as a destination")
         return dev, host
+
+
+def _memoryview_at(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
 def as_block_ids(ids: BlockIds, what: str) -> np.ndarray:
@@ -219,6 +268,16 @@ class CpuBlockCopier(BlockCopier):
     def _swap_in(self, host, dev, checksum):
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
         return self._run(dev_ptrs, host_ptrs, sizes, dev.size, checksum)
+
+    def _hash_device(self, dev: np.ndarray) -> np.ndarray:
+        base, stride, size = self.device_cache.piece_table()
+        ptrs = np.ascontiguousarray((base[None, :] + dev[:, None] * stride[None, :]).ravel())
+        sizes = np.ascontiguousarray(np.broadcast_to(size[None, :], (dev.size, size.size)).ravel())
+        out = np.empty(dev.size, dtype=np.uint64)
+        total = dev.size * self.spec.block_bytes
+        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
+        _copy.hash_blocks(ptrs, sizes, len(self.spec.pieces), out, threads)
+        return out
 
     def _swap_in_verified(self, host, dev, expected, ok):
         """One native call: each block is hashed, then copied only if it matched."""

@@ -9,10 +9,12 @@ Every storage task runs with the ``KeyScheme`` it was stamped with when the work
 stored and read under the version that was current when it was submitted.
 
 Results list exactly the blocks that hold correct data: a load stops at the first block that is
-missing, fails, or fails its checksum. Verification happens before a block reaches the device,
-so a device block beyond the reported prefix holds either its old bytes or verified bytes of its
-own key — never bytes that failed a check. A save reports the prefix now in storage. Storage
-that cannot be reached costs "0 blocks", never an exception.
+missing, fails, or fails its checksum. A device block beyond the reported prefix holds its old
+bytes, zeros, or verified bytes of its own key — never bytes that failed a check: through host
+staging a block is verified before it reaches the device; on a CPU cache with a backend that
+reads scattered (file, memory), objects are read straight into the device blocks (one copy
+instead of two), verified there, and a block that fails is zeroed. A save reports the prefix
+now in storage. Storage that cannot be reached costs "0 blocks", never an exception.
 """
 
 from __future__ import annotations
@@ -154,28 +156,23 @@ class DataPath:
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
         self.copier.check_device_ids(dev, destination=True)
-        staging = self._load_staging
-        sums = np.zeros(staging.size, dtype=np.uint64)
+        direct = self.copier.direct_device_access and self.storage.supports_scattered_reads
+        fetch = self._fetch_direct if direct else self._fetch_staged
+        step = self._load_staging.size
         done = moved = 0
         try:
             available = self.storage.exists_prefix(storage_keys)
             while done < available:
-                chunk = slice(done, min(available, done + staging.size))
-                ids = staging[: chunk.stop - chunk.start]
-                blocks = [self.host_pool.block(int(i)) for i in ids]
-                fetched = _leading_true(
-                    self.storage.get_into(storage_keys[chunk], blocks, sums[: ids.size])
-                )
-                self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
-                good = self.copier.swap_in_verified(ids[:fetched], dev[chunk][:fetched])
+                chunk = slice(done, min(available, done + step))
+                fetched, good = fetch(storage_keys[chunk], dev[chunk])
                 verified = _leading_true(good.tolist())
                 if verified < fetched:
                     self.storage.report_corrupt(
-                        storage_keys[chunk][verified], "payload checksum mismatch in the copy"
+                        storage_keys[chunk][verified], "payload checksum mismatch"
                     )
                 done += verified
                 moved += int(good.sum()) * self.host_pool.block_bytes
-                if verified < ids.size:
+                if verified < chunk.stop - chunk.start:
                     break
         except StorageUnavailable as e:
             return Outcome(
@@ -185,6 +182,24 @@ class DataPath:
                 message=f"storage unavailable: {e}",
             )
         return _prefix_outcome(task.device_block_ids, done, moved, "loaded")
+
+    def _fetch_staged(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
+        """Into the private load staging, then verified inside the host->device copy (a block
+        that fails never reaches the device). Returns (objects fetched, per block: copied)."""
+        ids = self._load_staging[: dev.size]
+        sums = np.zeros(ids.size, dtype=np.uint64)
+        blocks = [self.host_pool.block(int(i)) for i in ids]
+        fetched = _leading_true(self.storage.get_into(storage_keys, blocks, sums))
+        self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
+        return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
+
+    def _fetch_direct(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
+        """CPU cache: straight into the device block's pieces (one copy), verified there; a
+        block that fails is zeroed."""
+        sums = np.zeros(dev.size, dtype=np.uint64)
+        targets = self.copier.device_pieces(dev)
+        fetched = _leading_true(self.storage.get_into_scattered(storage_keys, targets, sums))
+        return fetched, self.copier.verify_device_blocks(dev[:fetched], sums[:fetched])
 
     def _save_host(self, task: SaveHost, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.host_block_ids, "host_block_ids")

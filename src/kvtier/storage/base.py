@@ -24,6 +24,11 @@ Contract (implementations do not repeat it):
   written to ``checksums_out[i]``. The caller must verify the bytes before use (the worker does
   it inside the host->device copy with ``BlockCopier.swap_in_verified``) and report a mismatch
   with ``report_corrupt``.
+- ``get_into_scattered(keys, targets, checksums_out)`` (backends with
+  ``supports_scattered_reads``): like ``get_into`` with deferred verification, but each key's
+  payload lands in ``targets[i]``, a list of writable buffers filled in order (a CPU device
+  block's per-layer pieces): one copy from storage straight into the engine's cache. The caller
+  verifies the bytes there (``BlockCopier.verify_device_blocks``) before using them.
 - ``delete(keys)`` -> number of objects removed; missing keys are ignored.
 - ``usage()`` -> StorageUsage; ``close()`` releases everything; backends are context managers.
 - Every method is thread-safe. A backend that cannot be reached at all raises
@@ -121,6 +126,24 @@ class StorageBackend(ABC):
         host_blocks: Sequence[torch.Tensor],
         checksums: Sequence[int | None] | None = None,
     ) -> list[bool]: ...
+
+    supports_scattered_reads = False
+
+    def get_into_scattered(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Sequence[memoryview]],
+        checksums_out: np.ndarray,
+    ) -> list[bool]:
+        """See the module docstring; only where ``supports_scattered_reads``."""
+        raise NotImplementedError(f"the {self.kind} backend reads into host blocks only")
+
+    def _check_scattered(self, keys: Sequence[str], targets, checksums_out) -> None:
+        if len(keys) != len(targets) or len(checksums_out) < len(keys):
+            raise StorageError(f"{len(keys)} keys but {len(targets)} targets / checksums")
+        for i, views in enumerate(targets):
+            if sum(len(v) for v in views) != self.payload_bytes:
+                raise StorageError(f"target {i} holds {sum(len(v) for v in views)} bytes")
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> int: ...

@@ -89,7 +89,19 @@ class FaultInjectingStore(StorageBackend):
     def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums_out)
         self._enter("get_into")
-        results = self.inner.get_into(keys, host_blocks, checksums_out)
+        return self._drop_some(self.inner.get_into(keys, host_blocks, checksums_out))
+
+    @property
+    def supports_scattered_reads(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_scattered_reads
+
+    def get_into_scattered(self, keys, targets, checksums_out) -> list[bool]:
+        self._check_scattered(keys, targets, checksums_out)
+        self._enter("get_into")
+        return self._drop_some(self.inner.get_into_scattered(keys, targets, checksums_out))
+
+    def _drop_some(self, results: list[bool]) -> list[bool]:
+        """Injected read errors: each hit becomes a miss with probability ``error_rate``."""
         for i, ok in enumerate(results):
             if ok and self._roll(self.config.error_rate):
                 results[i] = False

@@ -60,8 +60,9 @@ RESCAN_INTERVAL_S = 5.0
 # A read refreshes an object's mtime (its LRU recency) only when it is older than this.
 RECENCY_GRANULARITY_S = 2.0
 # Batches at least this large are spread over the I/O threads; smaller ones run inline (thread
-# hand-offs cost milliseconds on a busy 2-core machine: measured 17 ms vs 0.8 ms for 8 x 64 KiB).
-PARALLEL_MIN_BYTES = 16 << 20
+# hand-offs cost milliseconds on a busy 2-core machine: measured 17 ms vs 0.8 ms for 8 x 64 KiB;
+# 15 x 1 MiB read 1.7x faster on two threads than inline).
+PARALLEL_MIN_BYTES = 4 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_PID = 1 << 22  # Linux pid_max limit: a larger "pid" in a temp name is junk
 
@@ -107,6 +108,13 @@ class FileStore(StorageBackend):
         self._check_batch(keys, host_blocks, checksums_out)
         fn = functools.partial(self._get_one, checksums_out=checksums_out)
         return self._count_gets(self._map(fn, keys, host_blocks))
+
+    supports_scattered_reads = True
+
+    def get_into_scattered(self, keys, targets, checksums_out) -> list[bool]:
+        self._check_scattered(keys, targets, checksums_out)
+        fn = functools.partial(self._get_one, checksums_out=checksums_out)
+        return self._count_gets(self._map(fn, keys, targets))
 
     def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
@@ -192,22 +200,29 @@ class FileStore(StorageBackend):
             os.close(fd)
         return True
 
-    def _get_one(self, index: int, key: str, block: torch.Tensor, checksums_out=None) -> bool:
+    def _get_one(self, index: int, key: str, target, checksums_out=None) -> bool:
+        """Read one object into a host block (a tensor) or a list of buffers (scattered)."""
         path = self._path(key)
         fd = self._open_object(path)
         if fd is None:
             return False
         header = bytearray(HEADER_BYTES)
-        payload = memoryview(block.numpy())  # type: ignore[arg-type]
+        tensor = isinstance(target, torch.Tensor)
+        views = [memoryview(target.numpy())] if tensor else list(target)
         try:
             st = os.fstat(fd)
             size = st.st_size
             if size != self.object_bytes:
                 raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes}")
-            n = os.preadv(fd, [header, payload], 0)
+            n = os.preadv(fd, [header, *views], 0)
             if n != self.object_bytes:
                 raise ObjectCorrupt(f"short read: {n} of {self.object_bytes} bytes")
-            check_or_defer(header, payload, self.fingerprint, key, checksums_out, index)
+            if len(views) == 1:
+                check_or_defer(header, views[0], self.fingerprint, key, checksums_out, index)
+            else:  # scattered: the caller verifies the payload where it landed
+                checksums_out[index] = parse_header(
+                    header, self.fingerprint, key, self.payload_bytes
+                )
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(path)
@@ -397,7 +412,7 @@ class FileStore(StorageBackend):
                 error,
             )
 
-    def _map(self, fn, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
+    def _map(self, fn, keys: Sequence[str], blocks: Sequence) -> list[bool]:
         """Run ``fn(i, key, block)`` for every key; one task per I/O thread, not per key."""
         n = len(keys)
         if n < 2 or n * self.object_bytes < PARALLEL_MIN_BYTES:

@@ -82,6 +82,27 @@ class MemoryStore(StorageBackend):
             results.append(True)
         return self._count_gets(results)
 
+    supports_scattered_reads = True
+
+    def get_into_scattered(self, keys, targets, checksums_out) -> list[bool]:
+        self._check_scattered(keys, targets, checksums_out)
+        results = []
+        for i, (key, views) in enumerate(zip(keys, targets)):
+            with self._lock:
+                data = self._objects.get(key)
+            if data is None or not self._header_ok(key):
+                results.append(False)
+                continue
+            checksums_out[i] = parse_header(
+                data[:HEADER_BYTES], self.fingerprint, key, self.payload_bytes
+            )
+            offset = HEADER_BYTES
+            for view in views:
+                view[:] = data[offset : offset + len(view)]
+                offset += len(view)
+            results.append(True)
+        return self._count_gets(results)
+
     def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
         for i, (key, block) in enumerate(zip(keys, host_blocks)):

@@ -75,6 +75,8 @@ class SchedulerSide:
         if any(h in self._loading_hashes for h in wanted):
             return None, False  # being loaded for another request: wait, then hit it locally
         count = self._lookup(wanted)
+        for h in wanted[count:]:  # not stored (any more): a save may store it again
+            self._submitted.pop(h, None)
         if count == 0:
             self._pending_load.pop(request.request_id, None)
             self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)

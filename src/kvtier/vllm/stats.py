@@ -24,7 +24,7 @@ COUNTERS = {
     "loaded_tokens": "tokens loaded, verified, in vLLM's blocks (summed over ranks)",
     "failed_tokens": "tokens whose load failed and that vLLM recomputed (summed over ranks)",
     "load_bytes": "bytes loaded into vLLM's KV cache",
-    "load_seconds": "time kvtier workers spent loading",
+    "load_microseconds": "time kvtier workers spent loading (microseconds)",
     "saved_tokens": "prompt tokens submitted for saving (summed over ranks)",
     "save_bytes": "bytes written to storage",
     "save_failures": "save tasks that failed",
@@ -48,7 +48,7 @@ class KvtierConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
-        seconds = out["load_seconds"]
+        seconds = out["load_microseconds"] / 1e6
         out["load_gbps"] = round(out["load_bytes"] / seconds / 1e9, 3) if seconds else 0.0
         return out
 

@@ -207,7 +207,9 @@ class WorkerSide:
         try:
             result: t.Result = future.result()
             loaded = len(result.blocks)
-            self.stats.add(load_bytes=result.bytes_moved, load_seconds=result.seconds)
+            self.stats.add(
+                load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6)
+            )
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
             log.warning("kvtier load for %s failed: %s", spec.req_id, e)
             loaded = 0

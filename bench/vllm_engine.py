@@ -1,0 +1,156 @@
+"""One vLLM engine in its own process, for `kvtier bench vllm` and `kvtier demo --engine vllm`.
+
+``python -m kvtier_bench.vllm_engine make-model DIR [--hidden N]`` builds a random Llama (no
+downloads). ``python -m kvtier_bench.vllm_engine run ARGS_JSON`` serves a prompt set several
+times and prints one JSON line per run: with ``kvtier`` false, vLLM alone (its prefix cache
+reset before each run, so every run recomputes); with ``kvtier`` true, each repetition serves
+the prompts under a fresh weight version (a miss: computed and saved) and then again after
+``reset_prefix_cache()`` (every hit comes from kvtier).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+MARK = "KVTIER-RUN "
+
+
+def make_model(path: str, hidden: int = 512, layers: int = 4) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=8192,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # default-scale random weights give near-constant outputs
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    model.save_pretrained(path)
+
+
+def prompt_set(n: int, tokens: int, shared: int) -> list[list[int]]:
+    """``n`` prompts of ``tokens`` tokens, the first ``shared`` common to all (a system prompt)."""
+    common = [(13 * i + 7) % 1000 + 10 for i in range(shared)]
+    return [
+        common + [(31 * j + 97 * p) % 1000 + 10 for j in range(tokens - shared)] for p in range(n)
+    ]
+
+
+def _engine(args: dict):
+    from vllm import LLM
+
+    kwargs: dict = dict(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=args.get("kv_bytes", 512 << 20),
+        enable_prefix_caching=True,
+        max_model_len=max(4096, args["tokens"] + 64),
+        disable_log_stats=False,
+        distributed_executor_backend="uni",
+    )
+    if args["kvtier"]:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "storage": args["storage"],
+                "instance_id": args["instance"],
+            },
+        }
+    return LLM(**kwargs)
+
+
+def _counters(llm) -> dict:
+    return {
+        m.name.split(":", 1)[1]: getattr(m, "value", 0)
+        for m in llm.get_metrics()
+        if m.name.startswith(("vllm:kvtier_", "vllm:external_prefix"))
+    }
+
+
+def _reset(llm) -> None:
+    for _ in range(200):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()
+        time.sleep(0.02)
+    raise RuntimeError("reset_prefix_cache kept failing")
+
+
+def _serve(llm, prompts: list[list[int]], label: str, rep: int) -> None:
+    from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
+
+    before = _counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(max_tokens=1, temperature=0),
+        use_tqdm=False,
+    )
+    wall = time.perf_counter() - start
+    after = _counters(llm)
+    record = {
+        "configuration": label,
+        "rep": rep,
+        "wall_s": wall,
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens for o in outputs],
+        **{k: after.get(k, 0) - before.get(k, 0) for k in after},
+    }
+    print(MARK + json.dumps(record), flush=True)
+
+
+def run(args: dict) -> None:
+    prompts = prompt_set(args["prompts"], args["tokens"], args.get("shared", 0))
+    llm = _engine(args)
+    client = None
+    if args["kvtier"]:
+        from kvtier.client import Client
+        from kvtier.config import endpoint_for
+
+        client = Client.connect([endpoint_for(args["instance"], 0)], start_timeout_s=120)
+    for rep in range(args["reps"]):
+        _reset(llm)
+        if client is None:
+            _serve(llm, prompts, "vLLM alone (recompute)", rep)
+            continue
+        version = f"RL-STEP{rep}-{uuid.uuid4().hex[:6]}"
+        assert client.control("update_weights", version=version).code == 200  # all misses
+        _serve(llm, prompts, "vLLM + kvtier, first run (miss + save)", rep)
+        _reset(llm)  # waits for the saves: their blocks are held until they are done
+        _serve(llm, prompts, "vLLM + kvtier, after reset_prefix_cache (hits)", rep)
+    if client is not None:
+        client.close()
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make-model":
+        hidden = int(sys.argv[3]) if len(sys.argv) > 3 else 512
+        make_model(sys.argv[2], hidden)
+    else:
+        run(json.loads(sys.argv[2]))
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's interpreter teardown is slow; the engine was shut down above
