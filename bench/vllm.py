@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=2040, help="tokens per prompt")
     p.add_argument("--shared-tokens", type=int, default=0, help="leading tokens all share")
     p.add_argument("--reps", type=int, default=5, help="repetitions (medians reported)")
+    p.add_argument("--load-mode", default="async", choices=["async", "sync"], help="connector")
     p.add_argument("--hidden", type=int, default=512, help="hidden size of the random Llama")
     p.add_argument("--model", help="a model directory (default: build a random Llama)")
     p.add_argument("--store", help="file store directory (default: a temporary one)")
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "kvtier": True,
                     "storage": {"backend": "file", "root": store},
                     "instance": f"bench{uuid.uuid4().hex[:8]}",
+                    "load_mode": args.load_mode,
                 }
             ),
         )

@@ -75,6 +75,8 @@ def _engine(args: dict):
             "kv_connector_extra_config": {
                 "storage": args["storage"],
                 "instance_id": args["instance"],
+                "load_mode": args.get("load_mode", "async"),
+                **({"log_dir": args["log_dir"]} if args.get("log_dir") else {}),
             },
         }
     return LLM(**kwargs)

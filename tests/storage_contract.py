@@ -184,23 +184,44 @@ class StoreContract:
         assert store.exists_prefix(keys) == 4
         assert self.get(store, pool, keys) == [True] * 4
 
-    def test_scattered_reads_land_in_order_and_defer_the_payload_check(self, store, pool) -> None:
+    def test_scattered_reads_land_in_order_verified(self, store, pool) -> None:
         if not store.supports_scattered_reads:
             pytest.skip(f"{store.kind} reads into host blocks only")
         keys = make_keys(3)
         self.put(store, pool, keys)
         pieces = [4096, CONTRACT_SPEC.block_bytes - 4096 - 100, 100]
-        targets = [[memoryview(bytearray(n)) for n in pieces] for _ in keys]
-        sums = np.zeros(3, dtype=np.uint64)
-        assert store.get_into_scattered(keys, targets, sums) == [True] * 3
-        for key, views, checksum in zip(keys, targets, sums):
+
+        def targets(n: int) -> list[list[memoryview]]:
+            return [[memoryview(bytearray(b"\xee" * k)) for k in pieces] for _ in range(n)]
+
+        got = targets(3)
+        assert store.get_into_scattered(keys, got) == [True] * 3
+        for key, views in zip(keys, got):
             joined = b"".join(bytes(v) for v in views)
             assert joined == bytes(expected_block(key, CONTRACT_SPEC.block_bytes).numpy())
-            assert int(checksum) == payload_checksum(joined)  # the stored checksum, handed on
-        missing = make_keys(1)
-        assert store.get_into_scattered(missing, targets[:1], sums) == [False]
+        missing = targets(1)
+        assert store.get_into_scattered(make_keys(1), missing) == [False]
+        assert all(bytes(v) == b"\xee" * len(v) for v in missing[0])  # untouched
+        data = bytearray(store.read_object(keys[1]))
+        data[-1] ^= 0x10  # only the payload check can see it
+        store.write_object(keys[1], bytes(data))
+        bad = targets(1)
+        assert store.get_into_scattered(keys[1:2], bad) == [False]
+        assert all(bytes(v) == bytes(len(v)) for v in bad[0])  # zeroed, never the failed bytes
+        assert store.exists_prefix(keys[1:2]) == 0  # counted corrupt and removed
         with pytest.raises(StorageError):
-            store.get_into_scattered(keys[:1], [[memoryview(bytearray(10))]], sums)
+            store.get_into_scattered(keys[:1], [])
+
+    def test_scattered_writes_store_the_pieces_in_order(self, store, pool) -> None:
+        if not store.supports_scattered_reads:
+            pytest.skip(f"{store.kind} writes from host blocks only")
+        keys = make_keys(2)
+        payloads = [bytes(expected_block(k, CONTRACT_SPEC.block_bytes).numpy()) for k in keys]
+        cut = [0, 1000, 5000, CONTRACT_SPEC.block_bytes]
+        sources = [[memoryview(p)[a:b] for a, b in zip(cut, cut[1:])] for p in payloads]
+        assert store.put_from_scattered(keys, sources) == [True, True]
+        assert self.get(store, pool, keys) == [True, True]  # checksummed like any object
+        assert store.put_from_scattered(keys, sources) == [True, True]  # stored: kept
 
     def test_random_bit_flips_are_always_detected(self, store, pool) -> None:
         keys = make_keys(8)

@@ -159,20 +159,6 @@ static void *verify_copy_span(void *arg) {
     return NULL;
 }
 
-/* Blocks [begin, end) of a hash-only pass: XXH3-64 of each block's pieces, in order. */
-static void *hash_span(void *arg) {
-    const BlockSpan *s = (const BlockSpan *)arg;
-    XXH3_state_t state;
-    for (Py_ssize_t b = s->begin; b < s->end; b++) {
-        XXH3_64bits_reset(&state);
-        for (Py_ssize_t i = b * s->per_block; i < (b + 1) * s->per_block; i++) {
-            XXH3_64bits_update(&state, (const char *)(intptr_t)s->src[i], (size_t)s->size[i]);
-        }
-        s->hashes[b] = XXH3_64bits_digest(&state);
-    }
-    return NULL;
-}
-
 static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
@@ -405,65 +391,6 @@ static PyObject *copy_blocks_verified(PyObject *self, PyObject *args) {
     return result;
 }
 
-static PyObject *hash_blocks(PyObject *self, PyObject *args) {
-    PyObject *src_obj, *size_obj, *hash_obj;
-    Py_ssize_t per_block;
-    int num_threads;
-    if (!PyArg_ParseTuple(args, "OOnOi", &src_obj, &size_obj, &per_block, &hash_obj,
-                          &num_threads)) {
-        return NULL;
-    }
-    Py_buffer src, size, hashes;
-    if (get_int64_buffer(src_obj, &src, "src_ptrs") < 0) return NULL;
-    if (get_int64_buffer(size_obj, &size, "sizes") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(hash_obj, &hashes, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&size);
-        return NULL;
-    }
-    Py_ssize_t n = src.len / 8;
-    Py_ssize_t blocks = per_block > 0 ? n / per_block : 0;
-    PyObject *result = NULL;
-    if (size.len / 8 != n || per_block <= 0 || blocks * per_block != n) {
-        PyErr_SetString(PyExc_ValueError, "pointers and sizes must hold whole blocks");
-    } else if (hashes.len != blocks * 8) {
-        PyErr_SetString(PyExc_ValueError, "hashes must hold one uint64 per block");
-    } else {
-        if (num_threads < 1) num_threads = 1;
-        if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-        if (num_threads > blocks) num_threads = (int)(blocks > 0 ? blocks : 1);
-        BlockSpan spans[MAX_THREADS];
-        pthread_t threads[MAX_THREADS];
-        int started[MAX_THREADS] = {0};
-        for (int t = 0; t < num_threads; t++) {
-            spans[t] = (BlockSpan){NULL, (const int64_t *)src.buf, (const int64_t *)size.buf,
-                                   (uint64_t *)hashes.buf, per_block,
-                                   blocks * t / num_threads, blocks * (t + 1) / num_threads};
-        }
-        Py_BEGIN_ALLOW_THREADS
-        for (int t = 1; t < num_threads; t++) {
-            if (pthread_create(&threads[t], NULL, hash_span, &spans[t]) == 0) started[t] = 1;
-        }
-        hash_span(&spans[0]);
-        for (int t = 1; t < num_threads; t++) {
-            if (started[t]) {
-                pthread_join(threads[t], NULL);
-            } else {
-                hash_span(&spans[t]);
-            }
-        }
-        Py_END_ALLOW_THREADS
-        result = PyLong_FromSsize_t(blocks);
-    }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&size);
-    PyBuffer_Release(&hashes);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"copy_blocks_hashed", copy_blocks_hashed, METH_VARARGS,
      "copy_blocks_hashed(dst_ptrs, src_ptrs, sizes, pieces_per_block, hashes_out, num_threads)"
@@ -471,9 +398,6 @@ static PyMethodDef methods[] = {
     {"copy_blocks_verified", copy_blocks_verified, METH_VARARGS,
      "copy_blocks_verified(dst_ptrs, src_ptrs, sizes, pieces_per_block, expected, ok, threads)"
      " -> blocks; block b is copied only if ok[b] on entry and its source hashes to expected[b]"},
-    {"hash_blocks", hash_blocks, METH_VARARGS,
-     "hash_blocks(src_ptrs, sizes, pieces_per_block, hashes_out, num_threads) -> blocks;"
-     " hashes_out[b] = XXH3-64 of block b's pieces in order"},
     {"copy_pieces", copy_pieces, METH_VARARGS,
      "copy_pieces(dst_ptrs, src_ptrs, sizes, num_threads) -> total bytes copied"},
     {NULL, NULL, 0, NULL},

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from kvtier.device import DeviceCache
 from kvtier.errors import InvalidBlockIds, LayoutMismatch
@@ -106,41 +105,22 @@ class BlockCopier(ABC):
         """Whether device blocks are host memory that I/O can read into directly (CPU)."""
         return self.device_cache.device.type == "cpu"
 
-    def device_pieces(self, device_block_ids: BlockIds) -> list[list[memoryview]]:
-        """Per block, writable views of its (layer, part) pieces in page-first order: the
-        stored object's payload, scattered over the device tensors. CPU caches only."""
+    def device_pieces(
+        self, device_block_ids: BlockIds, *, writable: bool = True
+    ) -> list[list[memoryview]]:
+        """Per block, views of its (layer, part) pieces in page-first order: the stored
+        object's payload, scattered over the device tensors. CPU caches only. Destinations
+        (``writable``) must not repeat a block."""
         if not self.direct_device_access:
             raise InvalidBlockIds("device blocks of a CUDA cache are not host memory")
         dev = as_block_ids(device_block_ids, "device_block_ids")
-        self.check_device_ids(dev, destination=True)
+        self.check_device_ids(dev, destination=writable)
         base, stride, size = self.device_cache.piece_table()
         addresses = base[None, :] + dev[:, None] * stride[None, :]
         sizes = size.tolist()
         return [
             [_memoryview_at(int(a), n) for a, n in zip(row, sizes)] for row in addresses.tolist()
         ]
-
-    def verify_device_blocks(self, device_block_ids: BlockIds, expected: np.ndarray) -> np.ndarray:
-        """Per block: do its bytes hash to ``expected[i]``? A block that does not is zeroed, so
-        bytes that failed verification never stay in the engine's cache."""
-        dev = as_block_ids(device_block_ids, "device_block_ids")
-        if dev.size == 0:
-            return np.zeros(0, dtype=bool)
-        ok = self._hash_device(dev) == np.asarray(expected, dtype=np.uint64)
-        for row in self.device_pieces(dev[~ok]) if not ok.all() else ():
-            for view in row:
-                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
-        return ok
-
-    def _hash_device(self, dev: np.ndarray) -> np.ndarray:
-        """XXH3-64 of each device block's pieces in page-first order (one pass)."""
-        out = np.empty(dev.size, dtype=np.uint64)
-        for i, row in enumerate(self.device_pieces(dev)):
-            h = xxhash.xxh3_64()
-            for view in row:
-                h.update(view)
-            out[i] = h.intdigest()
-        return out
 
     def check_device_ids(self, dev: np.ndarray, *, destination: bool) -> None:
         """Range-check device ids (and, for a destination, refuse duplicates)."""
@@ -268,16 +248,6 @@ class CpuBlockCopier(BlockCopier):
     def _swap_in(self, host, dev, checksum):
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
         return self._run(dev_ptrs, host_ptrs, sizes, dev.size, checksum)
-
-    def _hash_device(self, dev: np.ndarray) -> np.ndarray:
-        base, stride, size = self.device_cache.piece_table()
-        ptrs = np.ascontiguousarray((base[None, :] + dev[:, None] * stride[None, :]).ravel())
-        sizes = np.ascontiguousarray(np.broadcast_to(size[None, :], (dev.size, size.size)).ravel())
-        out = np.empty(dev.size, dtype=np.uint64)
-        total = dev.size * self.spec.block_bytes
-        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
-        _copy.hash_blocks(ptrs, sizes, len(self.spec.pieces), out, threads)
-        return out
 
     def _swap_in_verified(self, host, dev, expected, ok):
         """One native call: each block is hashed, then copied only if it matched."""

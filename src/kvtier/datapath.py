@@ -130,6 +130,8 @@ class DataPath:
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
         self.copier.check_device_ids(dev, destination=False)
+        if self.copier.direct_device_access and self.storage.supports_scattered_reads:
+            return self._save_direct(task, storage_keys, dev)
         staging = self._save_staging
         try:
             done = self.storage.exists_prefix(storage_keys)  # already stored: skipped
@@ -151,6 +153,19 @@ class DataPath:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         return _prefix_outcome(task.device_block_ids, done, moved, "stored")
 
+    def _save_direct(self, task: Save, storage_keys: list[str], dev: np.ndarray) -> Outcome:
+        """CPU cache: write each object straight from the device block's pieces (hashed there,
+        then one copy into storage), skipping the stored prefix."""
+        try:
+            done = self.storage.exists_prefix(storage_keys)
+            ok = self.storage.put_from_scattered(
+                storage_keys[done:], self.copier.device_pieces(dev[done:], writable=False)
+            )
+        except StorageUnavailable as e:
+            return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
+        moved = sum(ok) * self.host_pool.block_bytes
+        return _prefix_outcome(task.device_block_ids, done + _leading_true(ok), moved, "stored")
+
     def _load(self, task: Load, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.device_block_ids, "device_block_ids")
         storage_keys = keys.keys(task.block_hashes)
@@ -161,7 +176,8 @@ class DataPath:
         step = self._load_staging.size
         done = moved = 0
         try:
-            available = self.storage.exists_prefix(storage_keys)
+            # Direct reads stop at the first missing object themselves: no existence pass.
+            available = len(storage_keys) if direct else self.storage.exists_prefix(storage_keys)
             while done < available:
                 chunk = slice(done, min(available, done + step))
                 fetched, good = fetch(storage_keys[chunk], dev[chunk])
@@ -194,12 +210,12 @@ class DataPath:
         return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
 
     def _fetch_direct(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
-        """CPU cache: straight into the device block's pieces (one copy), verified there; a
-        block that fails is zeroed."""
-        sums = np.zeros(dev.size, dtype=np.uint64)
-        targets = self.copier.device_pieces(dev)
-        fetched = _leading_true(self.storage.get_into_scattered(storage_keys, targets, sums))
-        return fetched, self.copier.verify_device_blocks(dev[:fetched], sums[:fetched])
+        """CPU cache: straight into the device block's pieces (one copy), verified by the
+        backend right after it reads each one; a block that fails is zeroed there (and the
+        object counted corrupt and removed), a missing one left alone."""
+        got = self.storage.get_into_scattered(storage_keys, self.copier.device_pieces(dev))
+        fetched = _leading_true(got)
+        return fetched, np.ones(fetched, dtype=bool)
 
     def _save_host(self, task: SaveHost, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.host_block_ids, "host_block_ids")

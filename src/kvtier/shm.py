@@ -179,8 +179,12 @@ def map_descriptor(fd: int, size_bytes: int) -> torch.Tensor:
     """A writable uint8 tensor over the first ``size_bytes`` of an open file (MAP_SHARED).
 
     The mapping lives as long as the tensor or any view of it; the descriptor may be closed.
+    Its page tables are populated now (MAP_POPULATE): a process that attaches a cache another
+    one filled would otherwise take a page fault per 4 KiB on its first copy into each block
+    (measured: a 60 MiB load into a freshly attached cache ran at half speed).
     """
-    mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(fd, size_bytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 

@@ -53,6 +53,12 @@ INLINE_MAX_BLOCKS = 4
 INLINE_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN)
 QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
 
+# Saves are off the engine's critical path: on a machine whose cores the engine keeps busy (vLLM
+# on CPU runs OpenMP on every core, and one preempted thread stalls a whole parallel region),
+# they run at a lower priority so that they take idle time rather than the engine's.
+BACKGROUND_DIRECTIONS = (t.Direction.SAVE,)
+BACKGROUND_NICE = 10
+
 Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
 
 
@@ -87,7 +93,12 @@ class Worker:
         self.claim = EndpointClaim(cfg.endpoint_address).acquire()
         self.resources = RankResources(cfg)
         self.executors = {
-            d: ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{d.value}") for d in t.Direction
+            d: ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"kvtier-{d.value}",
+                initializer=_lower_priority if d in BACKGROUND_DIRECTIONS else None,
+            )
+            for d in t.Direction
         }
         self.control = ControlPlane(
             self.resources,
@@ -435,3 +446,11 @@ class Worker:
             self.metrics = None
         self.resources.close()
         self.claim.release()
+
+
+def _lower_priority() -> None:
+    """Thread initializer: this thread (and threads it starts) yields to the engine's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as e:  # a container may forbid it: saves then run at normal priority
+        log.debug("could not lower the save thread's priority: %s", e)

@@ -24,11 +24,14 @@ Contract (implementations do not repeat it):
   written to ``checksums_out[i]``. The caller must verify the bytes before use (the worker does
   it inside the host->device copy with ``BlockCopier.swap_in_verified``) and report a mismatch
   with ``report_corrupt``.
-- ``get_into_scattered(keys, targets, checksums_out)`` (backends with
-  ``supports_scattered_reads``): like ``get_into`` with deferred verification, but each key's
-  payload lands in ``targets[i]``, a list of writable buffers filled in order (a CPU device
-  block's per-layer pieces): one copy from storage straight into the engine's cache. The caller
-  verifies the bytes there (``BlockCopier.verify_device_blocks``) before using them.
+- ``get_into_scattered(keys, targets)`` (backends with ``supports_scattered_reads``): like
+  ``get_into``, but each key's payload lands in ``targets[i]``, a list of writable buffers
+  filled in order (a CPU device block's per-layer pieces): one copy from storage straight into
+  the engine's cache, verified right after it (while the bytes are still in the CPU cache).
+  True: the target holds exactly the stored object. False: missing (target untouched) or it
+  failed a check — then the target is zeroed, so bytes that failed never stay there.
+  ``put_from_scattered(keys, sources)`` is the same for saves: each object's payload is read
+  from ``sources[i]`` in order (hashed here), with ``put_from``'s results.
 - ``delete(keys)`` -> number of objects removed; missing keys are ignored.
 - ``usage()`` -> StorageUsage; ``close()`` releases everything; backends are context managers.
 - Every method is thread-safe. A backend that cannot be reached at all raises
@@ -130,17 +133,20 @@ class StorageBackend(ABC):
     supports_scattered_reads = False
 
     def get_into_scattered(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[Sequence[memoryview]],
-        checksums_out: np.ndarray,
+        self, keys: Sequence[str], targets: Sequence[Sequence[memoryview]]
     ) -> list[bool]:
         """See the module docstring; only where ``supports_scattered_reads``."""
         raise NotImplementedError(f"the {self.kind} backend reads into host blocks only")
 
-    def _check_scattered(self, keys: Sequence[str], targets, checksums_out) -> None:
-        if len(keys) != len(targets) or len(checksums_out) < len(keys):
-            raise StorageError(f"{len(keys)} keys but {len(targets)} targets / checksums")
+    def put_from_scattered(
+        self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """See the module docstring; only where ``supports_scattered_reads``."""
+        raise NotImplementedError(f"the {self.kind} backend writes from host blocks only")
+
+    def _check_scattered(self, keys: Sequence[str], targets) -> None:
+        if len(keys) != len(targets):
+            raise StorageError(f"{len(keys)} keys but {len(targets)} targets")
         for i, views in enumerate(targets):
             if sum(len(v) for v in views) != self.payload_bytes:
                 raise StorageError(f"target {i} holds {sum(len(v) for v in views)} bytes")

@@ -95,10 +95,20 @@ class FaultInjectingStore(StorageBackend):
     def supports_scattered_reads(self) -> bool:  # type: ignore[override]
         return self.inner.supports_scattered_reads
 
-    def get_into_scattered(self, keys, targets, checksums_out) -> list[bool]:
-        self._check_scattered(keys, targets, checksums_out)
+    def get_into_scattered(self, keys, targets) -> list[bool]:
+        self._check_scattered(keys, targets)
         self._enter("get_into")
-        return self._drop_some(self.inner.get_into_scattered(keys, targets, checksums_out))
+        return self._drop_some(self.inner.get_into_scattered(keys, targets))
+
+    def put_from_scattered(self, keys, sources) -> list[bool]:
+        self._check_scattered(keys, sources)
+        self._enter("put_from")
+        fail = [self._roll(self.config.error_rate) for _ in keys]
+        chosen = [i for i, f in enumerate(fail) if not f]
+        stored = self.inner.put_from_scattered(
+            [keys[i] for i in chosen], [sources[i] for i in chosen]
+        )
+        return self._merge_puts(keys, fail, chosen, stored)
 
     def _drop_some(self, results: list[bool]) -> list[bool]:
         """Injected read errors: each hit becomes a miss with probability ``error_rate``."""
@@ -119,6 +129,11 @@ class FaultInjectingStore(StorageBackend):
             [host_blocks[i] for i in chosen],
             None if checksums is None else [checksums[i] for i in chosen],
         )
+        return self._merge_puts(keys, fail, chosen, stored)
+
+    def _merge_puts(self, keys, fail: list[bool], chosen: list[int], stored) -> list[bool]:
+        """Results of a put whose ``chosen`` keys reached the inner store; injected corruption
+        of some of what it stored."""
         results = [False] * len(keys)
         for i, ok in zip(chosen, stored):
             results[i] = ok

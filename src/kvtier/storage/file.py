@@ -44,13 +44,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy, Permissions
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, parse_header
+from kvtier.storage.format import (
+    HEADER_BYTES,
+    check_or_defer,
+    check_scattered,
+    encode_header,
+    parse_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +118,24 @@ class FileStore(StorageBackend):
 
     supports_scattered_reads = True
 
-    def get_into_scattered(self, keys, targets, checksums_out) -> list[bool]:
-        self._check_scattered(keys, targets, checksums_out)
-        fn = functools.partial(self._get_one, checksums_out=checksums_out)
-        return self._count_gets(self._map(fn, keys, targets))
+    def get_into_scattered(self, keys, targets) -> list[bool]:
+        self._check_scattered(keys, targets)
+        return self._count_gets(self._map(self._get_one, keys, targets))
+
+    def put_from_scattered(self, keys, sources) -> list[bool]:
+        self._check_scattered(keys, sources)
+        results = self._count_puts(
+            [self._put_one(i, k, s) for i, (k, s) in enumerate(zip(keys, sources))]
+        )
+        self._evict_if_needed()
+        return results
 
     def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
         fn = functools.partial(self._put_one, checksums=checksums)
-        results = self._count_puts(self._map(fn, keys, host_blocks))
+        # Writes run in the calling thread: page-cache writes gain little from the I/O threads,
+        # and the caller's priority (a worker's background save thread) applies to them.
+        results = self._count_puts([fn(i, k, b) for i, (k, b) in enumerate(zip(keys, host_blocks))])
         self._evict_if_needed()
         return results
 
@@ -217,22 +233,22 @@ class FileStore(StorageBackend):
             n = os.preadv(fd, [header, *views], 0)
             if n != self.object_bytes:
                 raise ObjectCorrupt(f"short read: {n} of {self.object_bytes} bytes")
-            if len(views) == 1:
+            if tensor:
                 check_or_defer(header, views[0], self.fingerprint, key, checksums_out, index)
-            else:  # scattered: the caller verifies the payload where it landed
-                checksums_out[index] = parse_header(
-                    header, self.fingerprint, key, self.payload_bytes
-                )
+            else:  # scattered: verified now, while the bytes are still in the CPU cache
+                check_scattered(header, views, self.fingerprint, key, self.payload_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(path)
+            if not tensor:
+                _zero(views)
             return False
         except OSError as e:
             self._warn_once("read", e)
             return False
         finally:
             os.close(fd)
-        if time.time() - st.st_mtime > RECENCY_GRANULARITY_S:
+        if self.config.capacity_bytes and time.time() - st.st_mtime > RECENCY_GRANULARITY_S:
             try:  # LRU recency, visible to every process sharing the directory
                 os.utime(path)
             except OSError:
@@ -240,17 +256,19 @@ class FileStore(StorageBackend):
         self._touch(path.name)
         return True
 
-    def _put_one(self, index: int, key: str, block: torch.Tensor, checksums=None) -> bool:
+    def _put_one(self, index: int, key: str, source, checksums=None) -> bool:
+        """Store one object from a host block (a tensor) or a list of buffers (scattered)."""
         path = self._path(key)
         if self._header_ok(key):
             return True  # immutable: the stored object stays (a corrupt one is replaced)
-        payload = memoryview(block.numpy())  # type: ignore[arg-type]
+        tensor = isinstance(source, torch.Tensor)
+        views = [memoryview(source.numpy())] if tensor else list(source)
         known = checksums[index] if checksums is not None else None
-        checksum = payload_checksum(payload) if known is None else known
-        header = encode_header(self.fingerprint, key, len(payload), checksum)
+        checksum = _checksum(views) if known is None else known
+        header = encode_header(self.fingerprint, key, self.payload_bytes, checksum)
         tmp = self._tmp_path()
         try:
-            self._write_tmp(tmp, header, payload)
+            self._write_tmp(tmp, header, views)
             try:
                 os.rename(tmp, path)
             except FileNotFoundError:  # the fan-out directory went away: recreate, retry once
@@ -265,14 +283,14 @@ class FileStore(StorageBackend):
         self._indexed(path.name, self.object_bytes)
         return True
 
-    def _write_tmp(self, tmp: Path, header: bytes, payload: memoryview) -> None:
+    def _write_tmp(self, tmp: Path, header: bytes, payload: list[memoryview]) -> None:
         try:
             fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
         except FileNotFoundError:  # the store directory was removed: recreate it
             self._make_dirs()
             fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
         try:
-            buffers: list = [header, payload]
+            buffers: list = [header, *payload]
             written, total = 0, self.object_bytes
             while written < total:
                 n = os.pwritev(fd, buffers, written)
@@ -427,6 +445,20 @@ class FileStore(StorageBackend):
         for future in [self._pool.submit(run, s) for s in range(workers)]:
             future.result()
         return results
+
+
+def _checksum(views: list[memoryview]) -> int:
+    if len(views) == 1:
+        return payload_checksum(views[0])
+    state = xxhash.xxh3_64()
+    for view in views:
+        state.update(view)
+    return state.intdigest()
+
+
+def _zero(views) -> None:
+    for view in views:
+        view[:] = bytes(len(view))
 
 
 def _real_directory(path: Path, mode: int) -> None:

@@ -83,6 +83,16 @@ def check_object(header, payload, fingerprint: str, key: str) -> None:
         raise ObjectCorrupt("payload checksum mismatch")
 
 
+def check_scattered(header, views, fingerprint: str, key: str, payload_length: int) -> None:
+    """``check_object`` for a payload scattered over several buffers, in order."""
+    expected = parse_header(header, fingerprint, key, payload_length)
+    state = xxhash.xxh3_64()
+    for view in views:
+        state.update(view)
+    if state.intdigest() != expected:
+        raise ObjectCorrupt("payload checksum mismatch")
+
+
 def check_or_defer(header, payload, fingerprint: str, key: str, checksums_out, index: int) -> None:
     """``check_object``; or, when ``checksums_out`` is given, check the header only and write
     its payload checksum to ``checksums_out[index]`` for the caller to verify the bytes later."""

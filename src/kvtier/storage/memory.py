@@ -12,7 +12,13 @@ from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header, parse_header
+from kvtier.storage.format import (
+    HEADER_BYTES,
+    check_or_defer,
+    check_scattered,
+    encode_header,
+    parse_header,
+)
 
 
 class MemoryStore(StorageBackend):
@@ -84,24 +90,40 @@ class MemoryStore(StorageBackend):
 
     supports_scattered_reads = True
 
-    def get_into_scattered(self, keys, targets, checksums_out) -> list[bool]:
-        self._check_scattered(keys, targets, checksums_out)
+    def get_into_scattered(self, keys, targets) -> list[bool]:
+        self._check_scattered(keys, targets)
         results = []
-        for i, (key, views) in enumerate(zip(keys, targets)):
+        for key, views in zip(keys, targets):
             with self._lock:
                 data = self._objects.get(key)
             if data is None or not self._header_ok(key):
                 results.append(False)
                 continue
-            checksums_out[i] = parse_header(
-                data[:HEADER_BYTES], self.fingerprint, key, self.payload_bytes
-            )
             offset = HEADER_BYTES
             for view in views:
                 view[:] = data[offset : offset + len(view)]
                 offset += len(view)
+            try:
+                check_scattered(data[:HEADER_BYTES], views, self.fingerprint, key, offset - 64)
+            except ObjectCorrupt as e:
+                self._corrupt(key, e)
+                self.delete([key])
+                for view in views:
+                    view[:] = bytes(len(view))
+                results.append(False)
+                continue
             results.append(True)
         return self._count_gets(results)
+
+    def put_from_scattered(self, keys, sources) -> list[bool]:
+        self._check_scattered(keys, sources)
+        for key, views in zip(keys, sources):
+            if self._header_ok(key):
+                continue
+            payload = b"".join(bytes(v) for v in views)
+            header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
+            self._store(key, header + payload)
+        return self._count_puts([True] * len(keys))
 
     def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)

@@ -104,7 +104,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]):
         assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids)
+        meta = self._connector_metadata
+        idle = isinstance(meta, KvtierMetadata) and meta.idle
+        return self._worker.get_finished(finished_req_ids, idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

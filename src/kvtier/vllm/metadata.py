@@ -17,6 +17,7 @@ class LoadSpec:
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
+    sync: bool = False  # the step's forward waits for it (no WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # wait for their saves: blocks are freed
+    idle: bool = False  # nothing scheduled this step: the worker side may wait for its loads
     # Scheduler-side counts since the last step, reported by rank 0 in its connector stats.
     lookup_counts: dict[str, int] = field(default_factory=dict)
 

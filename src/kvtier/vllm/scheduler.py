@@ -46,6 +46,7 @@ class SchedulerSide:
     def __init__(self, instance: str, world_size: int, block_size: int, settings: Any) -> None:
         self.block_size = block_size
         self.settings = settings
+        self.sync_loads = settings.load_mode == "sync"
         endpoints = [endpoint_for(instance, rank) for rank in range(world_size)]
         self.client: Client | None = Client.connect(
             endpoints,
@@ -59,6 +60,7 @@ class SchedulerSide:
         self._loading_hashes: Counter[bytes] = Counter()
         self._submitted: OrderedDict[bytes, None] = OrderedDict()
         self._counts: Counter[str] = Counter()
+        self._sync_loaded: list[LoadSpec] = []
         self._broken = False
 
     # ---- lookup -----------------------------------------------------------------------------
@@ -82,7 +84,7 @@ class SchedulerSide:
             self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)
             return 0, False
         self._pending_load[request.request_id] = (first, count, len(wanted))
-        return count * bs, True
+        return count * bs, not self.sync_loads
 
     def _lookup(self, hashes: list[bytes]) -> int:
         try:
@@ -110,7 +112,9 @@ class SchedulerSide:
             return
         hashes = list(request.block_hashes[first : first + n])
         self._loads_out.append(
-            LoadSpec(request.request_id, hashes, tracked.block_ids[first : first + n])
+            LoadSpec(
+                request.request_id, hashes, tracked.block_ids[first : first + n], self.sync_loads
+            )
         )
         self._loading[request.request_id] = hashes
         self._loading_hashes.update(hashes)
@@ -118,10 +122,14 @@ class SchedulerSide:
     # ---- each step --------------------------------------------------------------------------
 
     def build_connector_meta(self, so: Any) -> KvtierMetadata:
+        for spec in self._sync_loaded:  # loaded during the previous step's forward
+            self._finish_loading(spec.req_id)
+        self._sync_loaded = [s for s in self._loads_out if s.sync]
         meta = KvtierMetadata(
             loads=self._loads_out,
             preempted=set(so.preempted_req_ids or ()),
             lookup_counts=dict(self._counts),
+            idle=so.total_num_scheduled_tokens == 0,
         )
         self._loads_out, self._counts = [], Counter()
         computed: dict[str, int] = {}
@@ -179,20 +187,24 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         for req_id in output.finished_recving or ():
-            for h in self._loading.pop(req_id, ()):
-                self._loading_hashes[h] -= 1
-                if self._loading_hashes[h] <= 0:
-                    del self._loading_hashes[h]
+            self._finish_loading(req_id)
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvtierWorkerMetadata):
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
 
+    def _finish_loading(self, req_id: str) -> None:
+        for h in self._loading.pop(req_id, ()):
+            self._loading_hashes[h] -= 1
+            if self._loading_hashes[h] <= 0:
+                del self._loading_hashes[h]
+
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while a load or a save of this request is in flight."""
         tracked = self._tracked.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
-        loading = request.request_id in self._loading
+        # A sync load ended within its step (the forward waited for it): nothing to fence.
+        loading = request.request_id in self._loading and not self.sync_loads
         saving = tracked is not None and tracked.has_saves
         return loading or saving, None
 

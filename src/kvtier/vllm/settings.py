@@ -22,6 +22,8 @@ class ConnectorSettings:
       prefix-caching hash algorithm is appended, so hashes of two algorithms never share keys.
     - ``version`` / ``model_dir``: the weight version (see kvtier's update_weights).
     - ``instance_id``: names this engine's workers and caches (default: vLLM's instance id).
+    - ``load_mode``: ``async`` (default: a hit waits in WAITING_FOR_REMOTE_KVS while other
+      requests run) or ``sync`` (loads run before the step's forward, which waits for them).
     - ``staging_blocks``: blocks per storage step in each worker (default 16).
     - ``start_timeout_s``, ``task_timeout_s``: worker start and per-task bounds.
     - ``metrics_port``: kvtier's own Prometheus exporter per worker (port + rank; 0: any).
@@ -33,6 +35,7 @@ class ConnectorSettings:
     version: str | None = None
     model_dir: str | None = None
     instance_id: str | None = None
+    load_mode: str = "async"
     staging_blocks: int = 16
     start_timeout_s: float = 120.0
     task_timeout_s: float = 120.0
@@ -62,6 +65,10 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{PREFIX}.{name}", f"must be a number > 0, got {value!r}")
+        if self.load_mode not in ("async", "sync"):
+            raise ConfigError(
+                f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"
+            )
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int):
             raise ConfigError(f"{PREFIX}.staging_blocks", "must be an integer >= 1")
         if self.staging_blocks < 1:

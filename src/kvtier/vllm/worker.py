@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec
 from kvtier.vllm.stats import KvtierConnectorStats
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # an idle step waits at most this long for an in-flight load
 
 
 class _AllocateInto(TorchFunctionMode):
@@ -158,9 +160,17 @@ class WorkerSide:
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         if self.rank == 0 and meta.lookup_counts:
             self.stats.add(**meta.lookup_counts)  # the scheduler's counts, reported once
+        sync = []
         for spec in meta.loads:
             task = t.Load(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
-            self._loads[spec.req_id] = (self._submit(task), spec)
+            future = self._submit(task)
+            if spec.sync:
+                sync.append((future, spec))
+            else:
+                self._loads[spec.req_id] = (future, spec)
+        for future, spec in sync:  # this step's forward reads these blocks: wait for them
+            _wait(future)
+            self._account_load(future, spec)
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         """Submit this step's saves; never waits for them (they finish off the critical path)."""
@@ -184,7 +194,14 @@ class WorkerSide:
 
     # ---- results ----------------------------------------------------------------------------
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(
+        self, finished_req_ids: set[str], idle: bool = False
+    ) -> tuple[set[str], set[str]]:
+        if idle and self._loads:
+            # Nothing else to run this step: wait for a load here instead of letting vLLM spin
+            # through empty steps (the spin takes the CPU the kvtier worker is loading with).
+            futures = [f for f, _ in self._loads.values()]
+            wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         recving = {req_id for req_id, (f, _) in self._loads.items() if f.done()}
         for req_id in recving:
             future, spec = self._loads.pop(req_id)
