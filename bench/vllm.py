@@ -160,6 +160,47 @@ def _storage_reference(rows: list[dict]) -> dict:
     }
 
 
+def demo(prompts: int = 8, tokens: int = 1024, shared: int = 768, as_json: bool = False) -> int:
+    """`kvtier demo --engine vllm`: a shared-prefix workload through a real vLLM engine, once
+    alone and once with kvtier (a first run that saves, then after reset_prefix_cache())."""
+    args = argparse.Namespace(
+        prompts=prompts,
+        prompt_tokens=tokens,
+        shared_tokens=shared,
+        reps=1,
+        hidden=512,
+        model=None,
+        store=None,
+        no_storage_reference=True,
+        load_mode="async",
+        json=as_json,
+    )
+    rows = run(args)
+    if as_json:
+        print(json.dumps(rows))
+        return 0 if all(r["tokens_match"] for r in rows) else 1
+    alone, first, hits = rows
+    print(
+        f"\n{prompts} prompts x {tokens} tokens ({shared} shared), a random Llama on vLLM "
+        f"{_vllm_version()} (CPU)"
+    )
+    print(f"  {'run':<44}{'kvtier hit tokens':>18}{'time s':>9}")
+    for row in rows:
+        print(f"  {row['configuration']:<44}{row['external_hit_tokens']:>18,}{row['wall_s']:>9.2f}")
+    match = all(r["tokens_match"] for r in rows)
+    print(
+        f"  with kvtier hits: {hits['ratio_to_recompute']:.2f} x the time of vLLM alone; "
+        f"output {'identical to' if match else 'DIFFERENT from'} vLLM alone"
+    )
+    return 0 if match else 1
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
 def report(args: argparse.Namespace) -> int:
     rows = run(args)
     emit(rows, args.json, "kvtier bench vllm (wall time of llm.generate, max_tokens=1)", COLUMNS)

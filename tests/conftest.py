@@ -104,7 +104,7 @@ REQUIRED = {p.strip() for p in os.environ.get("KVTIER_TESTS_REQUIRE", "").split(
 def require_mooncake() -> None:
     """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=mooncake) without Mooncake."""
     from kvtier.errors import StorageError
-    from kvtier.storage.mooncake import import_mooncake
+    from kvtier.storage.mooncake_setup import import_mooncake
 
     try:
         import_mooncake()

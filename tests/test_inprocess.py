@@ -241,3 +241,70 @@ def test_a_peer_without_hello_gets_errors_and_keeps_nothing_alive(local_worker) 
     stats = local_worker.stats()
     assert stats["errors"]["unauthenticated"] == 1 and "swap_out" not in stats["tasks"]
     peer.close()
+
+
+def test_the_gate_bounds_what_it_queues() -> None:
+    gate, ran = Gate(max_pending=3), []
+    gate.set_state(WorkerState.PAUSED)
+    assert [gate.admit(i, ran.append) for i in range(4)] == [None, None, None, Refusal.FULL]
+    assert gate.resume(ran.append) == 3 and ran == [0, 1, 2]
+    assert gate.admit(9, ran.append) is Refusal.FULL  # three still running
+    gate.done(3)
+    assert gate.admit(9, ran.append) is None
+
+
+def test_oversized_lists_are_refused_at_decode() -> None:
+    big = msgspec.msgpack.encode(
+        {
+            "type": "swap_out",
+            "task_id": 4,
+            "device_block_ids": list(range(t.MAX_IDS_PER_TASK + 1)),
+            "host_block_ids": [],
+        }
+    )
+    with pytest.raises(msgspec.ValidationError, match="length <= 1048576"):
+        t.decode(big)
+    assert t.peek_task_id(big) == 4  # answered with an error, not dropped
+    with pytest.raises(msgspec.ValidationError, match="length <= 64"):
+        t.decode(t.encode(t.Lookup(block_hashes=[b"x" * 65])))
+    deep = b"\x83\xa4type\xa7control\xa7task_id\x05\xa1z" + b"\x91" * 50_000 + b"\x01"
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        t.decode(deep)
+
+
+def test_the_client_survives_any_single_bad_message_from_a_worker() -> None:
+    """1 KiB nested 1,000 deep used to kill the client's I/O thread (RecursionError), after
+    which no timeout fired and the engine waited forever."""
+    from kvtier.transport import LocalServer
+
+    server = LocalServer(f"local://{uuid.uuid4().hex}")
+    server.open()
+    try:
+        client = Client([server.endpoint], task_timeout_s=30, worker_timeout_s=60)
+        starter = threading.Thread(target=client.start, args=(10,))
+        starter.start()
+        peer, hello = server.receive(10)[0]
+        assert isinstance(t.decode(hello), t.Hello)
+        welcome = t.Welcome(
+            protocol_version=t.PROTOCOL_VERSION, rank=0, world_size=1, accepted=True
+        )
+        server.send(peer, t.encode(welcome))
+        starter.join(10)
+        future = client.submit(t.Lookup(block_hashes=[bytes(32)]))
+        deadline = time.monotonic() + 10
+        task = None
+        while task is None and time.monotonic() < deadline:
+            for _, payload in server.receive(0.1):
+                message = t.decode(payload)
+                if isinstance(message, t.Lookup):
+                    task = message
+        deep = b"\x82\xa4type\xa6result\xa7task_id" + b"\x91" * 1000 + b"\x01"
+        server.send(peer, deep)
+        server.send(peer, b"\xc1 garbage")
+        server.send(
+            peer, t.encode(t.Result(task_id=task.task_id, status=t.Status.OK, count=3, rank=0))
+        )
+        assert future.result(10).count == 3  # the I/O thread lived through both
+        client.close()
+    finally:
+        server.close()

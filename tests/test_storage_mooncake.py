@@ -117,3 +117,64 @@ def test_config_from_dict_and_env() -> None:
         MooncakeConfig.from_dict(merge_storage_options({"backend": "mooncake"}, options))
     with pytest.raises(ConfigError, match="storage.segment: unknown option"):
         MooncakeConfig.from_dict({"segment": 1})
+
+
+def test_a_master_that_accepts_but_never_answers_cannot_hang_setup() -> None:
+    """The port probe passes, then setup() used to hang for over 240 s."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    try:
+        start = time.monotonic()
+        with pytest.raises(StorageUnavailable, match="did not answer setup in time"):
+            MooncakeStore(
+                CONTRACT_SPEC,
+                {
+                    "master_address": f"127.0.0.1:{port}",
+                    "metadata_server": f"http://127.0.0.1:{port}/metadata",
+                    "setup_timeout_s": 2.0,
+                    **SMALL,
+                },
+            )
+        assert time.monotonic() - start < 10
+    finally:
+        silent.close()
+
+
+def test_a_frozen_master_costs_one_deadline_then_fails_fast() -> None:
+    """A frozen master made every call wait ~30 s and answer "miss"; now the first call waits
+    call_timeout_s, the next ones fail at once, and the store recovers when it thaws."""
+    import os
+    import signal
+
+    with LocalMaster() as m:
+        store = make_backend(CONTRACT_SPEC, m.config(call_timeout_s=2.0, **SMALL))
+        keys = make_keys(2)
+        with HostPool(CONTRACT_SPEC, 2) as pool:
+            store.register_host_pool(pool)
+            assert store.put_from(keys, [pool.block(0), pool.block(1)]) == [True, True]
+            os.kill(m.process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(StorageUnavailable, match="did not answer"):
+                    store.exists_prefix(keys)
+                assert time.monotonic() - start < 6
+                start = time.monotonic()
+                with pytest.raises(StorageUnavailable, match="not answering"):
+                    store.exists_prefix(keys)
+                assert time.monotonic() - start < 0.5
+            finally:
+                os.kill(m.process.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert store.exists_prefix(keys) == 2
+                    break
+                except StorageUnavailable:
+                    assert time.monotonic() < deadline, "no recovery after the thaw"
+                    time.sleep(0.2)
+            store.unregister_host_pool(pool)
+        store.close()

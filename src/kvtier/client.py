@@ -29,9 +29,10 @@ from typing import Any
 import msgspec
 
 from kvtier import tasks as t
+from kvtier.auth import read_key
 from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
 from kvtier.fanin import ControlAnswer, TaskFuture, aggregate
-from kvtier.launcher import Launch, start_workers, worker_configs
+from kvtier.launcher import Launch, end_worker, start_workers, worker_configs
 from kvtier.spec import KVCacheSpec
 from kvtier.transport import client_transport
 
@@ -45,7 +46,6 @@ CLOSE_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.05
 HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
 EXIT_GRACE_S = 0.2  # after a worker process exits, its last answers are still read this long
-TERMINATE_GRACE_S = 2.0  # a worker that will not get (or did not answer) a shutdown
 
 
 @dataclass
@@ -86,7 +86,10 @@ class Client:
         task_timeout_s: float = TASK_TIMEOUT_S,
         worker_timeout_s: float = WORKER_TIMEOUT_S,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        auth_key: bytes | None = None,
+        auth_key_file: str | None = None,
     ) -> None:
+        self._auth = auth_key or (read_key(auth_key_file) if auth_key_file else b"")
         self.task_timeout_s = task_timeout_s
         self.worker_timeout_s = worker_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -187,7 +190,7 @@ class Client:
             if failed:
                 self._abort()
                 r = failed[0]
-                if "protocol" in r.lost:
+                if "protocol" in r.lost or "authentication" in r.lost:
                     raise ProtocolMismatch(f"rank {r.position}: {r.lost}")
                 raise WorkerError(f"rank {r.position} did not start: {r.lost}")
             if time.monotonic() > deadline:
@@ -307,7 +310,11 @@ class Client:
         for r in self._ranks:
             if not r.welcomed and not r.lost and now - r.last_hello >= HELLO_RESEND_S:
                 hello = hello or t.encode(
-                    t.Hello(protocol_version=t.PROTOCOL_VERSION, client_id=self.client_id)
+                    t.Hello(
+                        protocol_version=t.PROTOCOL_VERSION,
+                        client_id=self.client_id,
+                        auth=self._auth,
+                    )
                 )
                 self.transport.send(r.position, hello)
                 r.last_hello = now
@@ -470,25 +477,10 @@ class Client:
         """Wait for workers that answered the shutdown; end the others now."""
         deadline = time.monotonic() + timeout_s
         for r in self._ranks:
-            p = r.process
-            if p is None:
-                continue
-            answered = r.welcomed and not r.lost
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()) if answered else 0.05)
-            except subprocess.TimeoutExpired:
-                if answered:
-                    log.warning("client: rank %d did not exit; terminating it", r.position)
-                p.terminate()
-                try:
-                    p.wait(TERMINATE_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-            if r.endpoint.startswith("ipc://"):
-                # A worker that was killed could not unlink its socket: its launcher does.
-                Path(r.endpoint[len("ipc://") :]).unlink(missing_ok=True)
-                Path(r.endpoint[len("ipc://") :] + ".lock").unlink(missing_ok=True)
+            if r.process is not None:
+                answered = r.welcomed and not r.lost  # it got a shutdown: give it time
+                wait_s = max(0.1, deadline - time.monotonic()) if answered else 0.05
+                end_worker(r.process, r.endpoint, wait_s)
 
     def __enter__(self) -> Client:
         return self

@@ -81,6 +81,7 @@ class WorkerConfig:
     metrics_port: int | None = None  # Prometheus exporter on 127.0.0.1 (0: any free port)
     log_level: str = "INFO"
     parent_pid: int | None = None  # exit as soon as this process (the launcher) is gone
+    auth_key_file: str | None = None  # the instance secret; required on tcp:// endpoints
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.instance_id or ""):
@@ -109,6 +110,12 @@ class WorkerConfig:
                 "endpoint",
                 "must be ipc:///ABSOLUTE/PATH (a file, not an abstract socket) or tcp on "
                 f"loopback (tcp://127.0.0.1:PORT), got {self.endpoint!r}",
+            )
+        if self.endpoint.startswith("tcp://") and not self.auth_key_file:
+            raise ConfigError(
+                "auth_key_file",
+                "a tcp:// endpoint is open to every local user: give the worker a secret "
+                "(a 0600 file of 32 random bytes in hex) or use an ipc:// endpoint",
             )
         if self.metrics_port is not None:
             _int_at_least("metrics_port", self.metrics_port, 0)

@@ -23,6 +23,12 @@ HOLDING_STATES = (WorkerState.PAUSED, WorkerState.WAKING)
 class Refusal(str, Enum):
     SLEEPING = "worker is sleeping: wake it up first"
     STOPPING = "worker is shutting down"
+    FULL = "worker queue is full: too many tasks waiting; retry later"
+
+
+# Tasks admitted and not finished, held ones included: a bound on a worker's memory whatever
+# a client sends (a well-behaved engine waits on far fewer).
+MAX_PENDING_TASKS = 100_000
 
 
 class Gate:
@@ -32,7 +38,8 @@ class Gate:
     arrives after ``resume``: FIFO holds across a pause. Thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING_TASKS) -> None:
+        self.max_pending = max_pending
         self._cond = threading.Condition()
         self.state = WorkerState.RUNNING
         self.in_flight = 0
@@ -44,6 +51,8 @@ class Gate:
                 return Refusal.STOPPING
             if self.state is WorkerState.SLEEPING:
                 return Refusal.SLEEPING
+            if self.in_flight + len(self._held) >= self.max_pending:
+                return Refusal.FULL
             if self.state in HOLDING_STATES:
                 self._held.append(item)
                 return None

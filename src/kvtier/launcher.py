@@ -150,6 +150,29 @@ def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> La
     return launch
 
 
+TERMINATE_GRACE_S = 2.0  # a worker that will not get (or did not answer) a shutdown
+
+
+def end_worker(process: subprocess.Popen, endpoint: str, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for a worker to exit, then terminate (and kill) it; remove the
+    socket a killed worker could not unlink."""
+    try:
+        process.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        if wait_s > 1:
+            log.warning("worker %d did not exit; terminating it", process.pid)
+        process.terminate()
+        try:
+            process.wait(TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint[len("ipc://") :])
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+
+
 def _private_directory(instance_id: str) -> tuple[Path, int]:
     path = Path(tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{instance_id}-"))
     fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -14,10 +14,18 @@ Stable names (every series carries ``rank``):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))  # 4 KiB .. 8 GiB
@@ -39,7 +47,9 @@ SECONDS_BUCKETS = (
     5.0,
     10.0,
 )
-STATES = ("running", "paused", "sleeping", "stopping")
+STATES = ("running", "paused", "sleeping", "waking", "stopping")
+MAX_CONNECTIONS = 8
+CONNECTION_TIMEOUT_S = 5.0
 
 
 class WorkerMetrics:
@@ -80,15 +90,67 @@ class WorkerMetrics:
         self._errors.labels(self.rank, kind).inc()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP exporter; returns the port (useful with port 0)."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._server.server_port
+        """Start the HTTP exporter on loopback; returns the port (useful with port 0)."""
+        self._server = _BoundedServer((host, port), self.registry)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kvtier-metrics", daemon=True
+        )
+        self._thread.start()
+        return self._server.server_address[1]
 
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """Serves ``/metrics`` with at most ``MAX_CONNECTIONS`` handlers at once, each connection
+    bounded by ``CONNECTION_TIMEOUT_S``: idle or slow peers cannot pile up threads (the stock
+    exporter starts one thread per connection, unbounded and without a timeout)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _MetricsHandler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, not queued
+            return
+        request.settimeout(CONNECTION_TIMEOUT_S)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    server: _BoundedServer
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        if self.path.split("?")[0] not in ("/metrics", "/"):
+            self.send_error(404, "only /metrics is served here")
+            return
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a log line each."""
 
 
 class _Snapshot:

@@ -13,7 +13,7 @@ message can never nest deeper than three levels, whatever a peer sends.
 from __future__ import annotations
 
 from enum import Enum, IntEnum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -21,6 +21,12 @@ PROTOCOL_VERSION = 2
 # Bounds on what one message may carry; a message beyond them is refused before it is decoded.
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_IDS_PER_TASK = 1 << 20
+MAX_TEXT_CHARS = 4096  # control arguments, messages, client ids
+
+BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_IDS_PER_TASK)]
+BlockHashes = Annotated[
+    list[Annotated[bytes, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=MAX_IDS_PER_TASK)
+]
 
 
 class Status(str, Enum):
@@ -64,7 +70,7 @@ class Code(IntEnum):
     FAILED = 500  # the handler raised
 
 
-Scalar = str | int | float | bool | None
+Scalar = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | int | float | bool | None
 # Stats and control answers: at most three levels (e.g. tasks -> kind -> counter).
 Data = dict[str, Scalar | dict[str, Scalar | dict[str, int]]]
 
@@ -75,49 +81,49 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class SwapOut(_Message, tag="swap_out", frozen=True, kw_only=True):
     task_id: int = 0
-    device_block_ids: list[int]
-    host_block_ids: list[int]
+    device_block_ids: BlockIds
+    host_block_ids: BlockIds
 
 
 class SwapIn(_Message, tag="swap_in", frozen=True, kw_only=True):
     task_id: int = 0
-    host_block_ids: list[int]
-    device_block_ids: list[int]
+    host_block_ids: BlockIds
+    device_block_ids: BlockIds
 
 
 class Save(_Message, tag="save", frozen=True, kw_only=True):
     """Device -> storage, skipping the already-stored prefix."""
 
     task_id: int = 0
-    block_hashes: list[bytes]
-    device_block_ids: list[int]
+    block_hashes: BlockHashes
+    device_block_ids: BlockIds
 
 
 class Load(_Message, tag="load", frozen=True, kw_only=True):
     """Storage -> device: the longest stored prefix, cut at the first block that fails."""
 
     task_id: int = 0
-    block_hashes: list[bytes]
-    device_block_ids: list[int]
+    block_hashes: BlockHashes
+    device_block_ids: BlockIds
 
 
 class SaveHost(_Message, tag="save_host", frozen=True, kw_only=True):
     task_id: int = 0
-    block_hashes: list[bytes]
-    host_block_ids: list[int]
+    block_hashes: BlockHashes
+    host_block_ids: BlockIds
 
 
 class LoadHost(_Message, tag="load_host", frozen=True, kw_only=True):
     task_id: int = 0
-    block_hashes: list[bytes]
-    host_block_ids: list[int]
+    block_hashes: BlockHashes
+    host_block_ids: BlockIds
 
 
 class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
     """How many leading blocks are stored."""
 
     task_id: int = 0
-    block_hashes: list[bytes]
+    block_hashes: BlockHashes
 
 
 class Control(_Message, tag="control", frozen=True, kw_only=True):
@@ -128,7 +134,8 @@ class Control(_Message, tag="control", frozen=True, kw_only=True):
 
 class Hello(_Message, tag="hello", frozen=True, kw_only=True):
     protocol_version: int
-    client_id: str = ""
+    client_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    auth: Annotated[bytes, msgspec.Meta(max_length=256)] = b""  # the instance secret
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):
@@ -150,7 +157,7 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
 
     task_id: int
     status: Status
-    blocks: list[int] = []
+    blocks: BlockIds = []
     count: int = 0
     bytes_moved: int = 0
     seconds: float = 0.0

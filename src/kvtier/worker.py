@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvtier import shm
+from kvtier import auth, shm
 from kvtier import tasks as t
 from kvtier.config import WorkerConfig
 from kvtier.control_plane import Answer, ControlPlane
@@ -89,6 +89,7 @@ class Worker:
     def start(self, background: bool = True) -> Worker:
         """Build the rank's resources and bind; with ``background`` run the loop thread."""
         cfg = self.config
+        self._auth_key = auth.read_key(cfg.auth_key_file) if cfg.auth_key_file else None
         shm.reclaim_orphans()
         self.claim = EndpointClaim(cfg.endpoint_address).acquire()
         self.resources = RankResources(cfg)
@@ -265,7 +266,8 @@ class Worker:
         self._answer(peer, task_id, t.Status.ERROR, f"malformed task: {str(error)[:200]}")
 
     def _hello(self, peer: Peer, hello: t.Hello) -> None:
-        accepted = hello.protocol_version == t.PROTOCOL_VERSION
+        authentic = auth.matches(self._auth_key, hello.auth)
+        accepted = authentic and hello.protocol_version == t.PROTOCOL_VERSION
         message = ""
         if accepted:
             self._accepted.add(peer)
@@ -275,8 +277,10 @@ class Worker:
             self._accepted.discard(peer)
             self._refused.add(peer)
             message = (
-                f"protocol version {hello.protocol_version} is not supported; this worker speaks "
-                f"{t.PROTOCOL_VERSION}: upgrade kvtier on both sides"
+                "authentication failed: this worker requires the instance secret"
+                if not authentic
+                else f"protocol version {hello.protocol_version} is not supported; this worker "
+                f"speaks {t.PROTOCOL_VERSION}: upgrade kvtier on both sides"
             )
             log.warning("rank %d: refused client %s: %s", self.rank, hello.client_id[:40], message)
         welcome = t.Welcome(

@@ -32,7 +32,7 @@ def validate_storage_config(config: Mapping[str, Any]) -> None:
 
         FileStoreConfig.from_dict(options)
     elif kind == "mooncake":
-        from kvtier.storage.mooncake import MooncakeConfig
+        from kvtier.storage.mooncake_setup import MooncakeConfig
 
         MooncakeConfig.from_dict(options)
     elif kind == "memory":

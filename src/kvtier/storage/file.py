@@ -44,13 +44,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
-from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy, Permissions
+from kvtier.storage.file_io import (
+    advance,
+    alive,
+    checksum_of,
+    drop_page_cache,
+    fsync_dir,
+    real_directory,
+    zero,
+)
 from kvtier.storage.format import (
     HEADER_BYTES,
     check_or_defer,
@@ -172,7 +179,7 @@ class FileStore(StorageBackend):
         Only clean pages can be dropped: call ``os.sync()`` first after writing.
         """
         for key in keys:
-            _drop_page_cache(self._path(key))
+            drop_page_cache(self._path(key))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -241,7 +248,7 @@ class FileStore(StorageBackend):
             self._corrupt(key, e)
             self._remove(path)
             if not tensor:
-                _zero(views)
+                zero(views)
             return False
         except OSError as e:
             self._warn_once("read", e)
@@ -264,7 +271,7 @@ class FileStore(StorageBackend):
         tensor = isinstance(source, torch.Tensor)
         views = [memoryview(source.numpy())] if tensor else list(source)
         known = checksums[index] if checksums is not None else None
-        checksum = _checksum(views) if known is None else known
+        checksum = checksum_of(views) if known is None else known
         header = encode_header(self.fingerprint, key, self.payload_bytes, checksum)
         tmp = self._tmp_path()
         try:
@@ -275,7 +282,7 @@ class FileStore(StorageBackend):
                 self._make_dirs()
                 os.rename(tmp, path)
             if self.config.fsync is FsyncPolicy.FULL:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
         except OSError as e:
             self._warn_once("write", e)
             self._remove(tmp)
@@ -297,7 +304,7 @@ class FileStore(StorageBackend):
                 if n <= 0:
                     raise OSError(errno.EIO, "pwritev wrote nothing")
                 written += n
-                buffers = _advance(buffers, n)
+                buffers = advance(buffers, n)
             if self.config.fsync is not FsyncPolicy.NONE:
                 os.fdatasync(fd)
         finally:
@@ -372,9 +379,9 @@ class FileStore(StorageBackend):
         mode = self.config.permissions.dir_mode
         self.root.mkdir(mode=mode, parents=True, exist_ok=True)
         for path in (self._objects_dir, self._tmp_dir):
-            _real_directory(path, mode)
+            real_directory(path, mode)
         for i in range(FANOUT_DIRS):
-            _real_directory(self._objects_dir / f"{i:02x}", mode)
+            real_directory(self._objects_dir / f"{i:02x}", mode)
 
     def _check_root_access(self) -> None:
         st = os.stat(self.root)
@@ -394,7 +401,7 @@ class FileStore(StorageBackend):
         for entry in entries:
             head = entry.name.split("-", 1)[0]
             pid = int(head) if head.isdigit() and len(head) < 10 else 0
-            if 0 < pid < MAX_PID and _alive(pid):
+            if 0 < pid < MAX_PID and alive(pid):
                 continue
             try:
                 if entry.is_dir(follow_symlinks=False):
@@ -445,81 +452,3 @@ class FileStore(StorageBackend):
         for future in [self._pool.submit(run, s) for s in range(workers)]:
             future.result()
         return results
-
-
-def _checksum(views: list[memoryview]) -> int:
-    if len(views) == 1:
-        return payload_checksum(views[0])
-    state = xxhash.xxh3_64()
-    for view in views:
-        state.update(view)
-    return state.intdigest()
-
-
-def _zero(views) -> None:
-    for view in views:
-        view[:] = bytes(len(view))
-
-
-def _real_directory(path: Path, mode: int) -> None:
-    """Make ``path`` a directory of its own: a link or a file found there is removed first.
-    Several processes may do this at once (ranks sharing a store)."""
-    for _ in range(3):
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            try:
-                os.mkdir(path, mode)
-                return
-            except FileExistsError:
-                continue  # another process made it: check what it is
-        if stat.S_ISDIR(st.st_mode):
-            return
-        log.warning("file store: replacing %s (not a directory) with a directory", path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    raise StorageError(f"cannot make {path} a directory: something keeps replacing it")
-
-
-def _advance(buffers: list, n: int) -> list:
-    """Drop the first n bytes from a list of buffers (after a partial pwritev)."""
-    out = []
-    for buf in buffers:
-        view = memoryview(buf).cast("B")
-        if n >= len(view):
-            n -= len(view)
-            continue
-        out.append(view[n:])
-        n = 0
-    return out
-
-
-def _drop_page_cache(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -14,11 +14,9 @@ raise it too.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -26,14 +24,20 @@ import numpy as np
 import torch
 
 from kvtier.checksum import payload_checksum
-from kvtier.errors import ConfigError, ObjectCorrupt, StorageError, StorageUnavailable
+from kvtier.errors import ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header
+from kvtier.storage.mooncake_setup import (
+    Bounded,
+    MooncakeConfig,
+    import_mooncake,
+    probe,
+    probe_setup,
+)
 
 log = logging.getLogger(__name__)
 
-PROTOCOLS = ("tcp", "rdma")
 PROBE_TIMEOUT_S = 0.5
 # Batches are moved in chunks of about this size so that checksums overlap the transfers.
 PIPELINE_CHUNK_BYTES = 128 << 20
@@ -75,93 +79,6 @@ def describe(rc: int) -> str:
     return f"{rc} ({_CODES.get(rc, ('unknown error',))[0]})"
 
 
-@dataclass(frozen=True)
-class MooncakeConfig:
-    master_address: str = "127.0.0.1:50051"
-    metadata_server: str = "http://127.0.0.1:8080/metadata"
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = "127.0.0.1"
-    # Bytes this client contributes to the store. Objects live in the segments of live clients:
-    # 0 makes a pure client whose objects live on storage nodes (see mooncake_local.LocalStoreNode).
-    global_segment_size: int = 1 << 30
-    local_buffer_size: int = 256 << 20
-    connect_timeout_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS:
-            raise ConfigError("storage.protocol", f"got {self.protocol!r}; allowed: tcp, rdma")
-        host, _, port = str(self.master_address).rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(
-                "storage.master_address", f"must be host:port, got {self.master_address!r}"
-            )
-        for name, least in (("global_segment_size", 0), ("local_buffer_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(
-                    f"storage.{name}", f"must be an integer >= {least}, got {value!r}"
-                )
-        timeout = self.connect_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError("storage.connect_timeout_s", f"must be a number > 0, got {timeout!r}")
-        for name in ("master_address", "metadata_server", "local_hostname", "device_name"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"storage.{name}", f"must be text, got {getattr(self, name)!r}")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MooncakeConfig:
-        """From a mapping (``KVTIER_MOONCAKE_<FIELD>`` variables are merged in at the edge, by
-        ``kvtier.config``)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"backend"})
-        if unknown:
-            raise ConfigError(
-                f"storage.{unknown[0]}",
-                f"unknown option for the mooncake backend; allowed: {sorted(known)}",
-            )
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-# Mooncake's transfer engine reads its bind address from the environment only (setup() has no
-# such option); without it, it binds its RPC port to the first active NIC.
-BIND_ADDRESS_ENV = "MC_TCP_BIND_ADDRESS"
-
-
-def process_environment(config: Mapping[str, Any] | MooncakeConfig) -> dict[str, str]:
-    """The environment variables a process must have before it hosts a MooncakeStore built
-    from ``config``. Set at the edge (the ``kvtier`` CLI, a launcher's child environment), never
-    by the library."""
-    if not isinstance(config, MooncakeConfig):
-        config = MooncakeConfig.from_dict({k: v for k, v in config.items() if k != "faults"})
-    return {BIND_ADDRESS_ENV: config.local_hostname}
-
-
-def import_mooncake():
-    """The MooncakeDistributedStore class, or a StorageError that says what to install."""
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        if "libibverbs" in str(e):
-            raise StorageError(
-                f"Mooncake needs libibverbs.so.1, which is missing: apt-get install -y libibverbs1 "
-                f"({e})"
-            ) from None
-        raise StorageError(
-            f"the mooncake backend needs Mooncake: pip install 'kvtier[mooncake]' ({e})"
-        ) from None
-    return MooncakeDistributedStore
-
-
-def probe(address: str, timeout_s: float) -> None:
-    """Raise StorageUnavailable unless something accepts TCP connections at ``address``."""
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise StorageUnavailable(f"mooncake master {address} is unreachable: {e}") from None
-
-
 @dataclass
 class _Registered:
     pool: Any  # HostPool
@@ -178,8 +95,11 @@ class MooncakeStore(StorageBackend):
         self.config = config
         MooncakeDistributedStore = import_mooncake()
         probe(config.master_address, config.connect_timeout_s)
+        probe_setup(config)
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(
+        self._queries = Bounded("kvtier-mooncake-query", config)
+        self._transfers = Bounded("kvtier-mooncake", config)
+        rc = self._store.setup(  # holds the interpreter lock; probe_setup saw it return
             config.local_hostname,
             config.metadata_server,
             config.global_segment_size,
@@ -196,7 +116,6 @@ class MooncakeStore(StorageBackend):
         self._stored_objects = 0
         self._closed = False
         self._down = False
-        self._transfers = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake")
 
     # ---- registration -----------------------------------------------------------------------
 
@@ -243,7 +162,7 @@ class MooncakeStore(StorageBackend):
         if not keys:
             return 0
         self._guard()
-        codes = self._store.batch_is_exist(list(keys))
+        codes = self._queries.call("exists", self._store.batch_is_exist, list(keys))
         self._check_reachable([_classify(c, 1) for c in codes], codes, "exists")
         for n, c in enumerate(codes):
             if c != 1:
@@ -278,10 +197,10 @@ class MooncakeStore(StorageBackend):
         prepare(chunks[0])
         codes: list[int] = []
         for k, chunk in enumerate(chunks):
-            pending = self._transfers.submit(transfer, chunk)
+            pending = self._transfers.submit("put", transfer, chunk)
             if k + 1 < len(chunks):
                 prepare(chunks[k + 1])
-            codes += pending.result()
+            codes += self._transfers.wait("put", pending)
         outcomes = [_classify(c) for c in codes]
         self._check_reachable(outcomes, codes, "put")
         results = [o is Fate.OK for o in outcomes]
@@ -309,13 +228,13 @@ class MooncakeStore(StorageBackend):
 
         # Chunk k+1 is fetched while chunk k is verified.
         chunks = self._chunks(len(keys), checksums_out is None)
-        pending = self._transfers.submit(transfer, chunks[0])
+        pending = self._transfers.submit("get", transfer, chunks[0])
         results: list[bool] = []
         codes: list[int] = []
         for k, chunk in enumerate(chunks):
-            chunk_codes = pending.result()
+            chunk_codes = self._transfers.wait("get", pending)
             if k + 1 < len(chunks):
-                pending = self._transfers.submit(transfer, chunks[k + 1])
+                pending = self._transfers.submit("get", transfer, chunks[k + 1])
             codes += chunk_codes
             if k == 0:
                 self._check_reachable(
@@ -353,7 +272,7 @@ class MooncakeStore(StorageBackend):
         if not keys:
             return 0
         self._guard()
-        codes = self._store.batch_remove(list(keys), True)
+        codes = self._queries.call("remove", self._store.batch_remove, list(keys), True)
         removed = sum(1 for c in codes if c == 0)
         with self._lock:
             self._stored_objects = max(0, self._stored_objects - removed)
@@ -385,8 +304,9 @@ class MooncakeStore(StorageBackend):
             for region in self._regions:
                 self._store.unregister_buffer(region.pool.base_address)
             self._regions.clear()
-        self._transfers.shutdown(wait=True)
-        self._store.close()
+        stuck = self._transfers.shutdown() | self._queries.shutdown()
+        if not stuck:  # a call stuck in Mooncake would never let close() return
+            self._store.close()
 
     def _check_reachable(self, outcomes: list[Fate], codes: list[int], what: str) -> None:
         """Every key failing with an RPC error means the master is gone: StorageUnavailable."""
@@ -408,7 +328,11 @@ class MooncakeStore(StorageBackend):
 
         Mooncake's own calls retry for ~4 s each when the master is gone; a TCP probe answers in
         well under a second, and lets the client's own reconnection take over once it is back.
+        A master that accepts connections but does not answer leaves a call stuck: until it
+        returns, every call fails at once (``_Bounded``).
         """
+        self._queries.check("call")
+        self._transfers.check("call")
         if self._down:
             probe(self.config.master_address, PROBE_TIMEOUT_S)
             self._down = False

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import StorageError, StorageUnavailable
-from kvtier.storage.mooncake import probe
+from kvtier.storage.mooncake_setup import probe
 
 _PR_SET_PDEATHSIG = 1
 LIBIBVERBS_HINT = "libibverbs.so.1 is missing: apt-get install -y libibverbs1"
@@ -234,5 +234,19 @@ def _serve_segment(master_address: str, metadata_server: str, segment_bytes: int
     return 0 if rc == 0 else 1
 
 
+def _probe_setup(master: str, metadata: str, host: str, protocol: str, device: str) -> int:
+    """A pure client's setup() and close(): exit 0 if the master answered."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(host, metadata, 0, 16 << 20, protocol, device, master)
+    print(f"setup returned {rc}", flush=True)
+    if rc == 0:
+        store.close()
+    return 0 if rc == 0 else 1
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "probe":
+        os._exit(_probe_setup(*sys.argv[2:7]))  # noqa: SLF001 - no teardown of Mooncake needed
     raise SystemExit(_serve_segment(sys.argv[1], sys.argv[2], int(sys.argv[3])))

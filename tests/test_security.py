@@ -1,0 +1,311 @@
+"""A hostile local neighbour: files planted by name, shadowing, a pre-created socket directory,
+a second worker on one endpoint, junk in the store, and who can read stored KV.
+
+Cross-user cases give files to another uid (65534) with chown, which needs root (CI runs as
+root); elsewhere they skip with that reason.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pickle
+import stat
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SPECS
+from kvtier.config import WorkerConfig, default_socket_dir
+from kvtier.device import DeviceCache
+from kvtier.endpoint import EndpointClaim
+from kvtier.errors import ConfigError, DeviceCacheError, UnsafeFile, WorkerError
+from kvtier.host import HostPool
+from kvtier.keys import KeyScheme, block_hashes
+from kvtier.shm import SHM_DIR
+from kvtier.storage.file import FileStore
+
+SPEC = SPECS["bf16"]
+NOBODY = 65534
+
+
+def _needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root (CI runs as root)")
+
+
+@pytest.fixture
+def planted(name):
+    """Paths planted in /dev/shm under ``name``; removed afterwards."""
+    paths: list[Path] = []
+    yield name, paths
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def test_a_planted_pickle_never_runs(planted, tmp_path) -> None:
+    """A .cudaipc file used to be unpickled: a planted one ran code as the worker's user."""
+    name, paths = planted
+    marker = tmp_path / "owned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = SHM_DIR / f"{name}.cudaipc"
+    paths.append(path)
+    payload = pickle.dumps(Exploit())
+    meta = json.dumps(
+        {"spec": SPEC.to_dict(), "device": "cuda:0", "owner_pid": 1, "handles_bytes": len(payload)}
+    ).encode()
+    header = b"KVTIERDC" + (2).to_bytes(4, "little") + len(meta).to_bytes(4, "little") + meta
+    path.write_bytes(header.ljust(4096, b"\0") + payload)
+    os.chmod(path, 0o600)
+    owner = os.open(path, os.O_RDONLY)  # a "live owner": the handle table itself is read
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(DeviceCacheError, match="malformed"):
+            DeviceCache.attach(SPEC, name)
+    finally:
+        os.close(owner)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["kvcache", "cudaipc"])
+def test_files_of_another_user_or_open_to_others_are_refused(planted, kind) -> None:
+    name, paths = planted
+    path = SHM_DIR / f"{name}.{kind}"
+    paths.append(path)
+    path.write_bytes(b"\0" * 8192)
+    os.chmod(path, 0o644)
+    with pytest.raises(UnsafeFile, match="mode 644"):
+        DeviceCache.attach(SPEC, name)
+    _needs_root()
+    os.chmod(path, 0o600)
+    os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(UnsafeFile, match="belongs to uid 65534"):
+        DeviceCache.attach(SPEC, name)
+
+
+def test_a_symlink_is_never_followed(planted, tmp_path) -> None:
+    name, paths = planted
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"\0" * 8192)
+    path = SHM_DIR / f"{name}.kvcache"
+    paths.append(path)
+    path.symlink_to(target)
+    with pytest.raises(UnsafeFile, match="symbolic link"):
+        DeviceCache.attach(SPEC, name)
+
+
+def test_one_kind_never_shadows_another(planted) -> None:
+    """A planted .kvcache beside a CUDA engine's .cudaipc would have been attached instead."""
+    name, paths = planted
+    with DeviceCache.create(SPEC, name):
+        shadow = SHM_DIR / f"{name}.cudaipc"
+        paths.append(shadow)
+        shadow.write_bytes(b"\0" * 4096)
+        os.chmod(shadow, 0o600)
+        with pytest.raises(DeviceCacheError, match="refusing to guess"):
+            DeviceCache.attach(SPEC, name)
+        with DeviceCache.attach(SPEC, name, device_type="cpu") as cache:  # told: no guess
+            assert cache.attached
+
+
+def test_a_planted_file_at_our_name_is_not_taken_over(planted) -> None:
+    _needs_root()
+    name, paths = planted
+    path = SHM_DIR / f"{name}.kvcache"
+    paths.append(path)
+    path.write_bytes(b"x")
+    os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(UnsafeFile, match="not a file of this user"):
+        DeviceCache.create(SPEC, name)
+    assert path.exists()  # another user's file: never removed
+
+
+def test_a_socket_directory_that_is_not_ours_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("TMPDIR", raising=False)
+    mine = tmp_path / f"kvtier-{os.getuid()}"
+    mine.mkdir(mode=0o755)
+    with pytest.raises(ConfigError, match="not a private directory"):
+        default_socket_dir()
+    mine.rmdir()
+    elsewhere = tmp_path / "trap"
+    elsewhere.mkdir(mode=0o700)
+    mine.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="not a link"):
+        default_socket_dir()
+    mine.unlink()
+    assert stat.S_IMODE(os.stat(default_socket_dir()).st_mode) == 0o700  # made private
+    _needs_root()
+    os.chown(mine, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match="owned by us"):
+        default_socket_dir()
+
+
+def test_a_second_worker_on_a_live_endpoint_is_refused(tmp_path) -> None:
+    address = f"ipc://{default_socket_dir()}/sec{uuid.uuid4().hex[:8]}-rank0.sock"
+    first = EndpointClaim(address).acquire()
+    try:
+        with pytest.raises(WorkerError, match="in use by a running worker"):
+            EndpointClaim(address).acquire()
+    finally:
+        first.release()
+    EndpointClaim(address).acquire().release()  # free again once the first is gone
+
+
+def test_abstract_sockets_are_refused() -> None:
+    with pytest.raises(ConfigError, match="abstract socket"):
+        WorkerConfig(spec=SPEC, instance_id="x", endpoint="ipc://@kvtier")
+
+
+# ---- the store --------------------------------------------------------------------------------
+
+
+def _keys(n: int) -> list[str]:
+    scheme = KeyScheme("sec", SPEC.fingerprint, 0)
+    return scheme.keys(block_hashes(np.arange(n * SPEC.block_size) + 7, SPEC.block_size))
+
+
+def test_stored_kv_is_private_by_default(tmp_path) -> None:
+    root = tmp_path / "store"
+    with FileStore(SPEC, {"root": root}) as store, HostPool(SPEC, 2) as pool:
+        keys = _keys(1)
+        assert store.put_from(keys, [pool.block(0)]) == [True]
+        obj = store._path(keys[0])
+    assert stat.S_IMODE(os.stat(obj).st_mode) == 0o600
+    for directory in (root, root / "objects", obj.parent, root / "tmp"):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700, directory
+
+
+def test_a_store_root_open_to_others_is_reported(tmp_path, caplog) -> None:
+    root = tmp_path / "open"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    with FileStore(SPEC, {"root": root}):
+        pass
+    assert any("open to group/other" in r.getMessage() for r in caplog.records)
+
+
+def test_junk_in_the_store_never_hangs_follows_or_lies(tmp_path) -> None:
+    """A FIFO at an object path used to wedge loads forever; a symlinked fan-out directory sent
+    writes and evictions outside the root; a directory at an object path made a key
+    unloadable while saves reported it stored; a huge-pid temp name stopped every start."""
+    root = tmp_path / "store"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    keys = _keys(3)
+    with FileStore(SPEC, {"root": root}) as store:
+        fifo, directory = store._path(keys[0]), store._path(keys[1])
+    os.mkfifo(fifo)
+    directory.mkdir()
+    fanout = store._path(keys[2]).parent
+    for entry in fanout.iterdir():
+        entry.unlink()
+    fanout.rmdir()
+    fanout.symlink_to(outside)
+    (root / "tmp" / f"{10**30}-1-1.tmp").write_bytes(b"junk")
+    with FileStore(SPEC, {"root": root}) as store, HostPool(SPEC, 4) as pool:  # starts fine
+        assert not fanout.is_symlink() and fanout.is_dir()  # replaced, never followed
+        assert store.exists_prefix(keys[:1]) == 0  # the FIFO is not an object...
+        assert store.get_into(keys[:1], [pool.block(0)]) == [False]  # ...and never waited on
+        assert store.put_from(keys[1:2], [pool.block(1)]) == [False]  # not "stored"
+        assert store.put_from(keys[2:], [pool.block(2)]) == [True]
+    assert list(outside.iterdir()) == []
+
+
+# ---- endpoints ----------------------------------------------------------------------------------
+
+
+def test_a_tcp_worker_answers_only_clients_that_know_the_secret(tmp_path) -> None:
+    """Any local user can reach tcp://127.0.0.1: without the instance secret a peer gets every
+    task refused (it used to be able to shut a worker down or overwrite device blocks)."""
+    import socket
+
+    import zmq
+
+    from kvtier import tasks as t
+    from kvtier.auth import write_key
+    from kvtier.client import Client
+    from kvtier.errors import ProtocolMismatch
+    from kvtier.worker import Worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    settings = dict(spec=SPEC, instance_id=f"tcp{uuid.uuid4().hex[:6]}", endpoint=endpoint)
+    with pytest.raises(ConfigError, match="auth_key_file"):
+        WorkerConfig(**settings)
+    key_file = tmp_path / "secret"
+    key = write_key(key_file)
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    config = WorkerConfig(
+        **settings,
+        auth_key_file=str(key_file),
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+        num_host_blocks=4,
+        staging_blocks=1,
+    )
+    worker = Worker(config).start()
+    try:
+        with pytest.raises(ProtocolMismatch, match="authentication failed"):
+            Client.connect([endpoint], start_timeout_s=10, auth_key=b"x" * 32)
+        ctx = zmq.Context()
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.connect(endpoint)
+        stranger.send(t.encode(t.Hello(protocol_version=t.PROTOCOL_VERSION, auth=b"guess")))
+        stranger.send(t.encode(t.Shutdown(task_id=9)))
+        stranger.send(t.encode(t.SwapIn(task_id=10, host_block_ids=[0], device_block_ids=[1])))
+        answers = []
+        while len(answers) < 3 and stranger.poll(5000):
+            answers.append(t.decode(stranger.recv()))
+        stranger.close(0)
+        ctx.term()
+        assert not answers[0].accepted
+        assert [a.status for a in answers[1:]] == [t.Status.ERROR, t.Status.ERROR]
+        assert "hello was refused" in answers[2].message
+        with Client.connect([endpoint], start_timeout_s=10, auth_key_file=str(key_file)) as c:
+            assert c.swap_out([1], [0]).status is t.Status.OK  # the worker is up and serving
+        assert key == bytes.fromhex(key_file.read_text())
+    finally:
+        worker.close()
+
+
+def test_the_metrics_exporter_bounds_its_connections() -> None:
+    """One thread per connection, unbounded and without a timeout, used to let any local user
+    pile up threads in a worker with idle connections."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from kvtier.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, WorkerMetrics
+
+    snapshot = {"storage": {}, "queue_depths": {}, "state": "running"}
+    metrics = WorkerMetrics(0, lambda: snapshot)
+    port = metrics.serve(0)
+    base = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() <= base + MAX_CONNECTIONS
+        deadline = time.monotonic() + CONNECTION_TIMEOUT_S + 5
+        while True:  # the idle ones time out; then a scrape is served again
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the exporter never recovered"
+                time.sleep(0.5)
+        assert b"kvtier_worker_state" in text
+    finally:
+        for sock in idle:
+            sock.close()
+        metrics.close()
