@@ -1,7 +1,11 @@
-"""Builds kvtier's one C extension (the batched piece copier); everything else is in pyproject.
+"""Builds kvtier's C parts; everything else is in pyproject.
 
-The extension is optional: without a C compiler the install still succeeds, and kvtier uses its
-two-pass torch copier (about half as fast), saying so once when a copier is made.
+- ``kvtier._copy``: the batched piece copier. Without it kvtier uses its two-pass torch copier
+  (about half as fast), saying so once when a copier is made.
+- ``kvtier._bindguard``: not a Python module but a preloaded library that keeps Mooncake's
+  listeners on the configured host (see kvtier/bindguard.py). Without it kvtier says so once.
+
+Both are optional: without a C compiler the install still succeeds.
 """
 
 from setuptools import Extension, setup
@@ -16,6 +20,14 @@ setup(
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvtier._bindguard",
+            sources=["src/kvtier/_bindguard.c"],
+            extra_compile_args=["-O2", "-pthread"],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],
+            optional=True,
+        ),
     ]
 )

@@ -12,6 +12,9 @@ copy, which hashes while it copies (the worker's load path; see ``kvtier bench c
   ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
   pool, through the same client.
 GB/s counts payload bytes (the page-first blocks) for both.
+
+``--mac on`` (or ``both``) runs kvtier's side with authenticated objects (``storage.mac_key_file``:
+HMAC-SHA256 over every object on save and on load), the cost of item 9 of the security review.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvtier import HostPool, KVCacheSpec
+from kvtier import HostPool, KVCacheSpec, auth
 from kvtier.checksum import payload_checksum
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
@@ -40,6 +43,7 @@ from kvtier_bench.common import emit, gbps, progress, standalone
 COLUMNS = [
     ("backend", "backend", "s"),
     ("op", "op", "s"),
+    ("mac", "MAC", "s"),
     ("object_mib", "object MiB", ".0f"),
     ("num_objects", "N", "d"),
     ("gbps", "GB/s", ".2f"),
@@ -73,10 +77,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="host:port of a running master (default: start one on loopback)",
     )
     p.add_argument("--mooncake-metadata", default=None, help="its metadata server URL")
+    p.add_argument(
+        "--mac",
+        default="off",
+        choices=["off", "on", "both"],
+        help="authenticated objects (HMAC-SHA256): off, on, or both to see the cost",
+    )
     p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-key-") as key_dir:
+        mac_key_file = str(Path(key_dir) / "mac.key")
+        auth.write_key(mac_key_file)
+        modes = {"off": [None], "on": [mac_key_file], "both": [None, mac_key_file]}[args.mac]
+        rows: list[dict] = []
+        for key_file in modes:
+            args.store_options = {"mac_key_file": key_file} if key_file else {}
+            for row in _run_sizes(args):
+                row["mac"] = "on" if key_file else "off"
+                rows.append(row)
+    return rows
+
+
+def _run_sizes(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     for size in [int(s) for s in args.sizes.split(",") if s]:
         if size not in SIZES:
@@ -185,6 +209,7 @@ def _bench_file(args, spec, pool, n) -> list[dict]:
             "root": str(store_dir),
             "fsync": args.fsync,
             "io_threads": args.io_threads,
+            **args.store_options,
         },
     )
     header = bytes(64)
@@ -278,7 +303,10 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
     try:  # whatever fails to start, stop what did
         if master is not None and remote:
             node = LocalStoreNode(master, segment).start()
-        store = make_backend(spec, {**config, "global_segment_size": 0 if remote else segment})
+        store = make_backend(
+            spec,
+            {**config, "global_segment_size": 0 if remote else segment, **args.store_options},
+        )
     except BaseException:
         for started in (node, master):
             if started is not None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.spec import KVCacheSpec
-from kvtier.storage.format import HEADER_BYTES, check_object
+from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
 SPEC = KVCacheSpec(num_layers=16, num_blocks=1, num_kv_heads=8, block_size=64, head_dim=128)
 BLOCKS_PER_SAVE = 16
@@ -110,8 +110,8 @@ def main() -> int:
                     continue
                 visible += 1
                 data = store.read_object(key)
-                check_object(
-                    data[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:], SPEC.fingerprint, key
+                ObjectFormat(SPEC.fingerprint).check(
+                    data[:HEADER_BYTES], [memoryview(data)[HEADER_BYTES:]], key, SPEC.block_bytes
                 )  # raises ObjectCorrupt on a torn object
                 if np.array_equal(
                     np.frombuffer(data, np.uint8, offset=HEADER_BYTES), content(slot)

@@ -7,14 +7,17 @@ second instance built the same way sees the same objects when the backend persis
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
+import struct
 import threading
 import uuid
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 import procs
 from kvtier.checksum import payload_checksum
@@ -23,7 +26,7 @@ from kvtier.host import HostPool
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.format import HEADER_BYTES, encode_header
+from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
 # fp8 with scales: every backend must carry every part.
 CONTRACT_SPEC = KVCacheSpec(
@@ -47,6 +50,36 @@ def make_keys(n: int, namespace: str | None = None, rank: int = 0) -> list[str]:
     )
     tokens = np.random.default_rng().integers(0, 150_000, n * CONTRACT_SPEC.block_size)
     return scheme.keys(block_hashes(tokens, CONTRACT_SPEC.block_size))
+
+
+MAC_KEY = bytes(range(32))
+
+
+@contextlib.contextmanager
+def authenticated(store: StorageBackend, key: bytes | None):
+    """The store reads and writes objects with ``key`` (None: plain objects) inside the block.
+
+    The same switch ``storage.mac_key_file`` makes at construction; applied to a live store so
+    that every backend (including class-scoped ones) runs the MAC tests.
+    """
+    stores = [store] + ([store.inner] if hasattr(store, "inner") else [])
+    saved = [s.format for s in stores]
+    for s in stores:
+        s.format = ObjectFormat(s.fingerprint, key)
+    try:
+        yield store
+    finally:
+        for s, fmt in zip(stores, saved):
+            s.format = fmt
+
+
+def reseal(data: bytes, payload: bytes) -> bytes:
+    """``data`` with its payload replaced by ``payload`` and every checksum made right again:
+    what a writer who knows the format (but not a MAC key) can forge."""
+    header = bytearray(data[:HEADER_BYTES])
+    struct.pack_into("<Q", header, 40, xxhash.xxh3_64_intdigest(payload))
+    struct.pack_into("<Q", header, 56, xxhash.xxh3_64_intdigest(bytes(header[:56])))
+    return bytes(header) + payload
 
 
 class StoreContract:
@@ -247,9 +280,7 @@ class StoreContract:
         payload = expected_block(keys[1], CONTRACT_SPEC.block_bytes).numpy()
         other_fp = "0123456789abcdef"
         store.write_object(
-            keys[1],
-            encode_header(other_fp, keys[1], payload.size, payload_checksum(payload))
-            + payload.tobytes(),
+            keys[1], ObjectFormat(other_fp).header(keys[1], [payload]) + payload.tobytes()
         )
         store.write_object(keys[2], store.read_object(keys[0]))  # the right bytes, wrong name
         assert self.get(store, pool, keys) == [True, False, False]
@@ -358,3 +389,59 @@ class StoreContract:
             assert self.get(reopened, pool, keys) == [True] * 3
         finally:
             reopened.close()
+
+    # ---- authenticated objects (storage.mac_key_file) ---------------------------------------
+
+    def test_a_forged_object_loads_unless_objects_are_authenticated(self, store, pool) -> None:
+        """The attack: a writer of the store replaces a payload and fixes every checksum."""
+        keys = make_keys(2)
+        self.put(store, pool, keys)
+        forged = reseal(store.read_object(keys[0]), bytes(CONTRACT_SPEC.block_bytes))
+        store.write_object(keys[0], forged)
+        blocks = [pool.block(8), pool.block(9)]
+        assert store.get_into(keys, blocks) == [True, True]  # checksums alone cannot tell
+        assert not torch.any(blocks[0])  # the forger's bytes were loaded as data
+
+        with authenticated(store, MAC_KEY):
+            keys = make_keys(2)
+            self.put(store, pool, keys)
+            assert self.get(store, pool, keys) == [True, True]
+            store.write_object(keys[0], reseal(store.read_object(keys[0]), forged[HEADER_BYTES:]))
+            assert self.get(store, pool, keys) == [False, True]
+
+    def test_authenticated_stores_refuse_every_kind_of_forgery(self, store, pool) -> None:
+        with authenticated(store, MAC_KEY):
+            keys = make_keys(5)
+            self.put(store, pool, keys)
+            payload = expected_block(keys[1], CONTRACT_SPEC.block_bytes).numpy()
+            plain = ObjectFormat(CONTRACT_SPEC.fingerprint)  # a writer without the key
+            other = ObjectFormat(CONTRACT_SPEC.fingerprint, b"k" * 32)  # with another key
+            store.write_object(keys[1], plain.header(keys[1], [payload]) + payload.tobytes())
+            store.write_object(keys[2], other.header(keys[2], [payload]) + payload.tobytes())
+            store.write_object(keys[3], store.read_object(keys[4]))  # a sound object, renamed
+            sums = np.zeros(5, dtype=np.uint64)
+            blocks = [pool.block(8 + i) for i in range(5)]
+            # The MAC is checked even when the payload checksum is left to the caller.
+            assert store.get_into(keys, blocks, checksums_out=sums) == [
+                True,
+                False,
+                False,
+                False,
+                True,
+            ]
+            assert sums[0] == payload_checksum(blocks[0].numpy())
+            if store.supports_scattered_reads:
+                stored = make_keys(1)
+                self.put(store, pool, stored)
+                target = [memoryview(bytearray(CONTRACT_SPEC.block_bytes))]
+                assert store.get_into_scattered(stored, [target]) == [True]
+                assert (
+                    bytes(target[0])
+                    == expected_block(stored[0], CONTRACT_SPEC.block_bytes).numpy().tobytes()
+                )
+
+    def test_a_reader_without_the_key_refuses_authenticated_objects(self, store, pool) -> None:
+        keys = make_keys(1)
+        with authenticated(store, MAC_KEY):
+            self.put(store, pool, keys)
+        assert self.get(store, pool, keys) == [False]

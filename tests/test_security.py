@@ -219,6 +219,64 @@ def test_junk_in_the_store_never_hangs_follows_or_lies(tmp_path) -> None:
     assert list(outside.iterdir()) == []
 
 
+# ---- authenticated objects --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authenticated", [False, True])
+def test_a_writer_of_the_store_cannot_forge_what_a_worker_loads(tmp_path, authenticated) -> None:
+    """Anyone who can write the store (another account of a shared store, any Mooncake client)
+    can replace a payload and fix every checksum: the worker loaded it as ``ok``. With
+    ``storage.mac_key_file`` it is a miss."""
+    from kvtier import auth
+    from kvtier.tasks import Status
+    from storage_contract import reseal
+    from worker_helpers import block, engine, hashes
+
+    root = tmp_path / "store"
+    storage: dict = {"backend": "file", "root": str(root)}
+    if authenticated:
+        auth.write_key(tmp_path / "mac.key")
+        storage["mac_key_file"] = str(tmp_path / "mac.key")
+    with engine(tmp_path, world_size=1, storage=storage) as (client, caches):
+        h = hashes(3)
+        assert client.save(h, [1, 2, 3]).blocks == [1, 2, 3]
+        objects = sorted((root / "objects").glob("*/*.kvb"))
+        assert len(objects) == 3
+        for path in objects:  # the forger: zeros instead of the prompt's KV, checksums fixed
+            data = path.read_bytes()
+            path.write_bytes(reseal(data, bytes(len(data) - 64)))
+        loaded = client.load(h, [20, 21, 22])
+        if authenticated:
+            assert (loaded.status, loaded.blocks) == (Status.PARTIAL, [])  # looked stored: 0 ok
+        else:  # what the attack does without a MAC: forged bytes delivered as data
+            assert loaded.blocks == [20, 21, 22]
+            assert not any(x.any() for x in block(caches[0], 20))
+
+
+def test_the_mac_key_comes_from_a_private_file_or_the_environment(tmp_path, monkeypatch) -> None:
+    from kvtier import auth
+    from kvtier.storage import MAC_KEY_ENV, make_backend
+
+    key_file = tmp_path / "mac.key"
+    key = auth.write_key(key_file)
+    config = {"backend": "file", "root": str(tmp_path / "s"), "mac_key_file": str(key_file)}
+    keys = _keys(1)
+    with make_backend(SPEC, config) as store, HostPool(SPEC, 2) as pool:
+        assert store.format.authenticated
+        assert store.put_from(keys, [pool.block(0)]) == [True]
+    monkeypatch.setenv(MAC_KEY_ENV, key.hex())
+    del config["mac_key_file"]
+    with make_backend(SPEC, config) as store, HostPool(SPEC, 2) as pool:
+        assert store.get_into(keys, [pool.block(1)]) == [True]  # the same key, from the env
+    monkeypatch.setenv(MAC_KEY_ENV, "not hex")
+    with pytest.raises(ConfigError, match=MAC_KEY_ENV):
+        make_backend(SPEC, config)
+    monkeypatch.delenv(MAC_KEY_ENV)
+    os.chmod(key_file, 0o644)
+    with pytest.raises(ConfigError, match="storage.mac_key_file.*mode 0600"):
+        make_backend(SPEC, {**config, "mac_key_file": str(key_file)})
+
+
 # ---- endpoints ----------------------------------------------------------------------------------
 
 

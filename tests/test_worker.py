@@ -11,23 +11,17 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 import zmq
 
 from kvtier import tasks as t
 from kvtier.config import default_socket_dir
 from kvtier.errors import TaskTimeout, WorkerLost
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier.keys import KeyScheme
 from kvtier.storage.file import FileStore
-from worker_helpers import FAST, WSPEC, block, engine, fill, same
+from worker_helpers import FAST, WSPEC, block, engine, fill, hashes, same
 
 TESTS = Path(__file__).resolve().parent
-
-
-def hashes(n: int, seed: int = 0) -> list[bytes]:
-    tokens = np.random.default_rng(seed).integers(0, 50_000, n * WSPEC.block_size)
-    return block_hashes(tokens, WSPEC.block_size)
 
 
 def test_every_task_type_moves_real_bytes(tmp_path) -> None:

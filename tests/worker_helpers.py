@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import uuid
 
+import numpy as np
 import torch
 
 from conftest import fill_random
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
+from kvtier.keys import block_hashes
 from kvtier.spec import KVCacheSpec
 
 WSPEC = KVCacheSpec(
@@ -21,6 +23,11 @@ FAST = {"worker_timeout_s": 10.0, "task_timeout_s": 60.0, "heartbeat_interval_s"
 
 
 fill = fill_random
+
+
+def hashes(n: int, seed: int = 0) -> list[bytes]:
+    tokens = np.random.default_rng(seed).integers(0, 50_000, n * WSPEC.block_size)
+    return block_hashes(tokens, WSPEC.block_size)
 
 
 def block(cache: DeviceCache, b: int) -> list[torch.Tensor]:

@@ -169,9 +169,10 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
     )
     if config.storage.get("backend") == "mooncake":  # the edge sets what Mooncake reads
+        from kvtier.bindguard import reexec_with
         from kvtier.storage.mooncake_setup import process_environment
 
-        os.environ.update(process_environment(config.storage))
+        reexec_with(process_environment(config.storage))  # LD_PRELOAD works only from the start
     return Worker(config).serve()
 
 

@@ -123,6 +123,15 @@ def worker_configs(
     return configs
 
 
+def _environment(config: WorkerConfig) -> dict[str, str] | None:
+    """A worker's environment: ours, plus what Mooncake needs from the start (bind guard)."""
+    if config.storage.get("backend") != "mooncake":
+        return None
+    from kvtier.storage.mooncake_setup import process_environment
+
+    return {**os.environ, **process_environment(config.storage)}
+
+
 def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> Launch:
     """Write the configs and start one ``kvtier serve`` per config. On failure nothing runs."""
     reclaim_orphans()
@@ -140,6 +149,7 @@ def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> La
                         stdout=out,
                         stderr=out,
                         stdin=subprocess.DEVNULL,
+                        env=_environment(cfg),
                     )
                 )
             launch.log_paths.append(log_path)

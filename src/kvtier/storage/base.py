@@ -66,7 +66,7 @@ import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
-from kvtier.storage.format import HEADER_BYTES
+from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,10 @@ class StorageBackend(ABC):
 
     kind: str = "abstract"
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    def __init__(self, spec: KVCacheSpec, mac_key: bytes | None = None) -> None:
         self.spec = spec
         self.fingerprint = spec.fingerprint
+        self.format = ObjectFormat(spec.fingerprint, mac_key)
         self.payload_bytes = spec.block_bytes
         self.object_bytes = HEADER_BYTES + spec.block_bytes
         self.stats = StorageStats()

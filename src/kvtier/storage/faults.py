@@ -52,6 +52,7 @@ class FaultInjectingStore(StorageBackend):
 
     def __init__(self, inner: StorageBackend, config: FaultConfig | Mapping[str, Any]):
         super().__init__(inner.spec)
+        self.format = inner.format
         self.inner = inner
         self.config = config if isinstance(config, FaultConfig) else FaultConfig.from_dict(config)
         self.stats = inner.stats

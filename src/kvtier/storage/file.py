@@ -52,19 +52,12 @@ from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy, Permissions
 from kvtier.storage.file_io import (
     advance,
     alive,
-    checksum_of,
     drop_page_cache,
     fsync_dir,
     real_directory,
     zero,
 )
-from kvtier.storage.format import (
-    HEADER_BYTES,
-    check_or_defer,
-    check_scattered,
-    encode_header,
-    parse_header,
-)
+from kvtier.storage.format import HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +78,13 @@ class FileStore(StorageBackend):
     kind = "file"
 
     def __init__(
-        self, spec: KVCacheSpec, config: FileStoreConfig | Mapping[str, Any] | None = None
+        self,
+        spec: KVCacheSpec,
+        config: FileStoreConfig | Mapping[str, Any] | None = None,
+        *,
+        mac_key: bytes | None = None,
     ):
-        super().__init__(spec)
+        super().__init__(spec, mac_key)
         if not isinstance(config, FileStoreConfig):
             config = FileStoreConfig.from_dict(config or {})
         self.config = config
@@ -211,7 +208,7 @@ class FileStore(StorageBackend):
             size = os.fstat(fd).st_size
             if size != self.object_bytes:
                 raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes}")
-            parse_header(os.pread(fd, HEADER_BYTES, 0), self.fingerprint, key, self.payload_bytes)
+            self.format.parse(os.pread(fd, HEADER_BYTES, 0), key, self.payload_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(path)
@@ -241,9 +238,9 @@ class FileStore(StorageBackend):
             if n != self.object_bytes:
                 raise ObjectCorrupt(f"short read: {n} of {self.object_bytes} bytes")
             if tensor:
-                check_or_defer(header, views[0], self.fingerprint, key, checksums_out, index)
+                self.format.check_or_defer(header, views[0], key, checksums_out, index)
             else:  # scattered: verified now, while the bytes are still in the CPU cache
-                check_scattered(header, views, self.fingerprint, key, self.payload_bytes)
+                self.format.check(header, views, key, self.payload_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(path)
@@ -271,8 +268,7 @@ class FileStore(StorageBackend):
         tensor = isinstance(source, torch.Tensor)
         views = [memoryview(source.numpy())] if tensor else list(source)
         known = checksums[index] if checksums is not None else None
-        checksum = checksum_of(views) if known is None else known
-        header = encode_header(self.fingerprint, key, self.payload_bytes, checksum)
+        header = self.format.header(key, views, known)
         tmp = self._tmp_path()
         try:
             self._write_tmp(tmp, header, views)

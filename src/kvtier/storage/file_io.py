@@ -7,21 +7,9 @@ import os
 import stat
 from pathlib import Path
 
-import xxhash
-
-from kvtier.checksum import payload_checksum
 from kvtier.errors import StorageError
 
 log = logging.getLogger("kvtier.storage.file")
-
-
-def checksum_of(views: list[memoryview]) -> int:
-    if len(views) == 1:
-        return payload_checksum(views[0])
-    state = xxhash.xxh3_64()
-    for view in views:
-        state.update(view)
-    return state.intdigest()
 
 
 def zero(views) -> None:

@@ -4,10 +4,11 @@ Header layout (little-endian)::
 
     offset size  field
          0    4  magic b"KVTB"
-         4    2  format version (1)
+         4    2  format version: 1 plain, 2 authenticated (see below)
          6    2  reserved, must be 0
          8    8  layout fingerprint (KVCacheSpec.fingerprint, 16 hex digits as 8 bytes)
-        16   16  first 16 bytes of sha256(storage key): an object under the wrong name is caught
+        16   16  v1: first 16 bytes of sha256(storage key): an object under the wrong name is caught
+                 v2: MAC (see below)
         32    8  payload length in bytes
         40    8  XXH3-64 of the payload
         48    8  reserved, must be 0
@@ -15,88 +16,160 @@ Header layout (little-endian)::
 
 Every field is checked on read and the header checks itself, so a flipped bit anywhere in the
 object (header or payload) is detected; a detected object is a miss, never data.
+
+Authenticated objects (``storage.mac_key_file``). Checksums catch accidents, not a writer of the
+store (or any Mooncake client) forging an object for a predictable key. With a MAC key every
+object is written as version 2, whose bytes 16..31 hold a 128-bit keyed BLAKE3 of header bytes
+0..15 || header bytes 32..55 || len(storage key) || storage key || payload. (Keyed BLAKE3 is a
+MAC by design and runs at 2.5-3.5 GB/s per core here, 2.5x HMAC-SHA256 even with SHA-NI; the
+32-byte BLAKE3 key is derived from the configured secret with BLAKE3's key derivation mode.)
+A reader with a key accepts only version-2 objects whose MAC it recomputes over the bytes it
+read; an unauthenticated (version 1) object, one under another key, or one made with another
+MAC key is corrupt: a miss, removed. A reader without a key refuses version-2 objects the same
+way, so a store is either authenticated or not — configure every writer alike.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
+from collections.abc import Sequence
 
+import blake3
 import xxhash
 
 from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
 
 MAGIC = b"KVTB"
-FORMAT_VERSION = 1
+PLAIN, AUTHENTICATED = 1, 2
 HEADER_BYTES = 64
+MAC_BYTES = 16
 _BODY = struct.Struct("<4sHH8s16sQQ8x")  # 56 bytes
 _CHECK = struct.Struct("<Q")
+_KEY_LENGTH = struct.Struct("<Q")
+_KDF_CONTEXT = "kvtier 2026-11 storage object MAC v2"
 
 
 def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()[:16]
 
 
-def encode_header(fingerprint: str, key: str, payload_length: int, checksum: int) -> bytes:
-    body = _BODY.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        0,
-        bytes.fromhex(fingerprint),
-        key_digest(key),
-        payload_length,
-        checksum,
-    )
-    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def parse_header(header, fingerprint: str, key: str, payload_length: int) -> int:
-    """Check every header field against what the reader expects; return the payload checksum.
-
-    Raises ObjectCorrupt naming the first field that does not match.
-    """
-    raw = bytes(header[:HEADER_BYTES])
-    if len(raw) < HEADER_BYTES:
-        raise ObjectCorrupt(f"header truncated to {len(raw)} bytes")
-    (self_check,) = _CHECK.unpack_from(raw, _BODY.size)
-    if xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != self_check:
-        raise ObjectCorrupt("header checksum mismatch")
-    magic, version, reserved, fp, digest, length, checksum = _BODY.unpack_from(raw)
-    if magic != MAGIC:
-        raise ObjectCorrupt(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION or reserved != 0:
-        raise ObjectCorrupt(f"unknown format version {version}")
-    if fp.hex() != fingerprint:
-        raise ObjectCorrupt(f"layout fingerprint {fp.hex()} != {fingerprint}")
-    if digest != key_digest(key):
-        raise ObjectCorrupt("object stored under another key")
-    if length != payload_length:
-        raise ObjectCorrupt(f"payload length {length} != {payload_length}")
-    return checksum
-
-
-def check_object(header, payload, fingerprint: str, key: str) -> None:
-    """Raise ObjectCorrupt unless header and payload are exactly what was stored under ``key``."""
-    expected = parse_header(header, fingerprint, key, len(payload))
-    if payload_checksum(payload) != expected:
-        raise ObjectCorrupt("payload checksum mismatch")
-
-
-def check_scattered(header, views, fingerprint: str, key: str, payload_length: int) -> None:
-    """``check_object`` for a payload scattered over several buffers, in order."""
-    expected = parse_header(header, fingerprint, key, payload_length)
+def checksum_of(views: Sequence) -> int:
+    """XXH3-64 of a payload held in one buffer or scattered over several, in order."""
+    if len(views) == 1:
+        return payload_checksum(views[0])
     state = xxhash.xxh3_64()
     for view in views:
         state.update(view)
-    if state.intdigest() != expected:
-        raise ObjectCorrupt("payload checksum mismatch")
+    return state.intdigest()
 
 
-def check_or_defer(header, payload, fingerprint: str, key: str, checksums_out, index: int) -> None:
-    """``check_object``; or, when ``checksums_out`` is given, check the header only and write
-    its payload checksum to ``checksums_out[index]`` for the caller to verify the bytes later."""
-    if checksums_out is None:
-        check_object(header, payload, fingerprint, key)
-    else:
-        checksums_out[index] = parse_header(header, fingerprint, key, len(payload))
+class ObjectFormat:
+    """Encodes and checks the objects of one layout (``fingerprint``), keyed by ``mac_key``.
+
+    Thread-safe (no state beyond the constructor's arguments).
+    """
+
+    def __init__(self, fingerprint: str, mac_key: bytes | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.mac_key = mac_key
+        self._blake3_key = (
+            None
+            if mac_key is None
+            else blake3.blake3(mac_key, derive_key_context=_KDF_CONTEXT).digest()
+        )
+        self.version = PLAIN if mac_key is None else AUTHENTICATED
+
+    @property
+    def authenticated(self) -> bool:
+        return self.mac_key is not None
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def header(self, key: str, payload: Sequence, checksum: int | None = None) -> bytes:
+        """The header for ``payload`` (a list of buffers) stored under ``key``.
+
+        ``checksum``: the payload's XXH3-64 when the caller knows it (recorded by the copier).
+        """
+        length = sum(memoryview(v).nbytes for v in payload)
+        if checksum is None:
+            checksum = checksum_of(payload)
+        fields = [MAGIC, self.version, 0, bytes.fromhex(self.fingerprint), b"", length, checksum]
+        if self.mac_key is None:
+            fields[4] = key_digest(key)
+        else:
+            fields[4] = self._mac(_BODY.pack(*fields[:4], bytes(16), *fields[5:]), key, payload)
+        body = _BODY.pack(*fields)
+        return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+    def _mac(self, body: bytes, key: str, payload: Sequence) -> bytes:
+        assert self._blake3_key is not None
+        state = blake3.blake3(key=self._blake3_key)
+        state.update(body[:16])
+        state.update(body[32:56])
+        encoded = key.encode()
+        state.update(_KEY_LENGTH.pack(len(encoded)))
+        state.update(encoded)
+        for view in payload:
+            state.update(view)
+        return state.digest(length=MAC_BYTES)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def parse(self, header, key: str, payload_length: int) -> int:
+        """Check every header field against what the reader expects; return the payload checksum.
+
+        Raises ObjectCorrupt naming the first field that does not match. (The MAC of an
+        authenticated object covers the payload: ``check`` verifies it.)
+        """
+        raw = bytes(header[:HEADER_BYTES])
+        if len(raw) < HEADER_BYTES:
+            raise ObjectCorrupt(f"header truncated to {len(raw)} bytes")
+        (self_check,) = _CHECK.unpack_from(raw, _BODY.size)
+        if xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != self_check:
+            raise ObjectCorrupt("header checksum mismatch")
+        magic, version, reserved, fp, digest, length, checksum = _BODY.unpack_from(raw)
+        if magic != MAGIC:
+            raise ObjectCorrupt(f"bad magic {magic!r}")
+        if version not in (PLAIN, AUTHENTICATED) or reserved != 0:
+            raise ObjectCorrupt(f"unknown format version {version}")
+        if version != self.version:
+            raise ObjectCorrupt(
+                "object is not authenticated (written without storage.mac_key_file)"
+                if version == PLAIN
+                else "object is authenticated but this reader has no storage.mac_key_file"
+            )
+        if fp.hex() != self.fingerprint:
+            raise ObjectCorrupt(f"layout fingerprint {fp.hex()} != {self.fingerprint}")
+        if version == PLAIN and digest != key_digest(key):
+            raise ObjectCorrupt("object stored under another key")
+        if length != payload_length:
+            raise ObjectCorrupt(f"payload length {length} != {payload_length}")
+        return checksum
+
+    def check(self, header, payload: Sequence, key: str, payload_length: int) -> None:
+        """Raise ObjectCorrupt unless header and payload (a list of buffers, in order) are
+        exactly what was stored under ``key``."""
+        expected = self.parse(header, key, payload_length)
+        if self.mac_key is not None:
+            self._check_mac(header, key, payload)
+        if checksum_of(payload) != expected:
+            raise ObjectCorrupt("payload checksum mismatch")
+
+    def _check_mac(self, header, key: str, payload: Sequence) -> None:
+        raw = bytes(header[:HEADER_BYTES])
+        if not hmac.compare_digest(raw[16:32], self._mac(raw, key, payload)):
+            raise ObjectCorrupt("MAC mismatch: not written by a holder of storage.mac_key_file")
+
+    def check_or_defer(self, header, payload, key: str, checksums_out, index: int) -> None:
+        """``check`` of a one-buffer payload; or, when ``checksums_out`` is given, the header
+        only (and the MAC, which cannot wait) with the payload checksum written to
+        ``checksums_out[index]`` for the caller to verify the bytes later."""
+        if checksums_out is None:
+            self.check(header, [payload], key, len(payload))
+            return
+        checksums_out[index] = self.parse(header, key, len(payload))
+        if self.mac_key is not None:
+            self._check_mac(header, key, [payload])

@@ -8,17 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import (
-    HEADER_BYTES,
-    check_or_defer,
-    check_scattered,
-    encode_header,
-    parse_header,
-)
+from kvtier.storage.format import HEADER_BYTES
 
 
 class MemoryStore(StorageBackend):
@@ -27,8 +20,10 @@ class MemoryStore(StorageBackend):
 
     kind = "memory"
 
-    def __init__(self, spec: KVCacheSpec, capacity_bytes: int | None = None) -> None:
-        super().__init__(spec)
+    def __init__(
+        self, spec: KVCacheSpec, capacity_bytes: int | None = None, *, mac_key: bytes | None = None
+    ) -> None:
+        super().__init__(spec, mac_key)
         self.capacity_bytes = capacity_bytes
         self._objects: OrderedDict[str, bytes] = OrderedDict()
         self._used = 0
@@ -49,7 +44,7 @@ class MemoryStore(StorageBackend):
         try:
             if len(data) != self.object_bytes:
                 raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
-            parse_header(data[:HEADER_BYTES], self.fingerprint, key, self.payload_bytes)
+            self.format.parse(data[:HEADER_BYTES], key, self.payload_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self.delete([key])
@@ -71,13 +66,8 @@ class MemoryStore(StorageBackend):
             try:
                 if len(data) != self.object_bytes:
                     raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
-                check_or_defer(
-                    view[:HEADER_BYTES],
-                    view[HEADER_BYTES:],
-                    self.fingerprint,
-                    key,
-                    checksums_out,
-                    i,
+                self.format.check_or_defer(
+                    view[:HEADER_BYTES], view[HEADER_BYTES:], key, checksums_out, i
                 )
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
@@ -104,7 +94,7 @@ class MemoryStore(StorageBackend):
                 view[:] = data[offset : offset + len(view)]
                 offset += len(view)
             try:
-                check_scattered(data[:HEADER_BYTES], views, self.fingerprint, key, offset - 64)
+                self.format.check(data[:HEADER_BYTES], views, key, offset - HEADER_BYTES)
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
                 self.delete([key])
@@ -121,7 +111,7 @@ class MemoryStore(StorageBackend):
             if self._header_ok(key):
                 continue
             payload = b"".join(bytes(v) for v in views)
-            header = encode_header(self.fingerprint, key, len(payload), payload_checksum(payload))
+            header = self.format.header(key, [payload])
             self._store(key, header + payload)
         return self._count_puts([True] * len(keys))
 
@@ -132,8 +122,7 @@ class MemoryStore(StorageBackend):
                 continue  # immutable: the stored object stays (a corrupt one is replaced)
             payload = block.numpy()
             known = checksums[i] if checksums is not None else None
-            checksum = payload_checksum(payload) if known is None else known
-            header = encode_header(self.fingerprint, key, payload.size, checksum)
+            header = self.format.header(key, [payload], known)
             self._store(key, header + payload.tobytes())
         return self._count_puts([True] * len(keys))
 

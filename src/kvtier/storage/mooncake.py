@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, check_or_defer, encode_header
+from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.mooncake_setup import (
     Bounded,
     MooncakeConfig,
@@ -88,14 +87,21 @@ class _Registered:
 class MooncakeStore(StorageBackend):
     kind = "mooncake"
 
-    def __init__(self, spec: KVCacheSpec, config: MooncakeConfig | Mapping[str, Any] | None = None):
-        super().__init__(spec)
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        config: MooncakeConfig | Mapping[str, Any] | None = None,
+        *,
+        mac_key: bytes | None = None,
+    ):
+        super().__init__(spec, mac_key)
         if not isinstance(config, MooncakeConfig):
             config = MooncakeConfig.from_dict(config or {})
         self.config = config
         MooncakeDistributedStore = import_mooncake()
         probe(config.master_address, config.connect_timeout_s)
         probe_setup(config)
+        _warn_if_unguarded(config.local_hostname)
         self._store = MooncakeDistributedStore()
         self._queries = Bounded("kvtier-mooncake-query", config)
         self._transfers = Bounded("kvtier-mooncake", config)
@@ -180,8 +186,7 @@ class MooncakeStore(StorageBackend):
             for i in chunk:
                 payload = host_blocks[i].numpy()
                 known = checksums[i] if checksums is not None else None
-                checksum = payload_checksum(payload) if known is None else known
-                header = encode_header(self.fingerprint, keys[i], payload.size, checksum)
+                header = self.format.header(keys[i], [payload], known)
                 slots[i][0].data.cast("B")[:] = header
 
         def transfer(chunk: range) -> list[int]:
@@ -254,7 +259,7 @@ class MooncakeStore(StorageBackend):
                 self.delete([key])
             return False
         try:
-            check_or_defer(header, block.numpy(), self.fingerprint, key, checksums_out, index)
+            self.format.check_or_defer(header, block.numpy(), key, checksums_out, index)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self.delete([key])
@@ -337,3 +342,16 @@ class MooncakeStore(StorageBackend):
             probe(self.config.master_address, PROBE_TIMEOUT_S)
             self._down = False
             log.info("mooncake master %s is reachable again", self.config.master_address)
+
+
+def _warn_if_unguarded(host: str) -> None:
+    from kvtier import bindguard
+
+    if bindguard.library() is not None and not bindguard.active(host):
+        log.warning(
+            "this process was started without kvtier's bind guard: Mooncake's transfer engine "
+            "will listen on every interface, not only %s (run workers with `kvtier serve` or "
+            "Client.launch, or start this process with the environment of "
+            "kvtier.storage.mooncake_setup.process_environment)",
+            host,
+        )

@@ -3,6 +3,9 @@
 Production clusters run their own ``mooncake_master`` and storage nodes; these start the same
 programs on free loopback ports and stop them again. They are children of the process that
 starts them and die with it (``PR_SET_PDEATHSIG``): a SIGKILLed demo leaves no master behind.
+Every listener they open is on ``host`` (loopback by default): the master by its flags — and
+by the bind guard for its HTTP metadata server, which ignores its host flag — and the store
+node by the bind guard (``kvtier.bindguard``).
 """
 
 from __future__ import annotations
@@ -53,10 +56,17 @@ def _explain_exit(code: int | None, stderr_tail: str) -> str:
     return f"exited with code {code}: {stderr_tail.strip()[-500:] or '(no output)'}"
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _guarded_environment(host: str) -> dict[str, str]:
+    from kvtier import bindguard
+    from kvtier.storage.mooncake_setup import BIND_ADDRESS_ENV
+
+    return {**os.environ, BIND_ADDRESS_ENV: host, **bindguard.environment(host)}
 
 
 class LocalMaster:
@@ -66,20 +76,21 @@ class LocalMaster:
     ``start()`` (waits for the RPC port), stopped by ``stop()`` (SIGTERM, then SIGKILL).
     """
 
-    def __init__(self, lease_ttl_ms: int | None = None) -> None:
-        self.rpc_port = _free_port()
-        self.http_port = _free_port()
-        self.metrics_port = _free_port()
+    def __init__(self, lease_ttl_ms: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.rpc_port = _free_port(host)
+        self.http_port = _free_port(host)
+        self.metrics_port = _free_port(host)
         self.lease_ttl_ms = lease_ttl_ms
         self.process: subprocess.Popen | None = None
 
     @property
     def master_address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
     def config(self, **overrides: Any) -> dict[str, Any]:
         return {
@@ -93,12 +104,12 @@ class LocalMaster:
         binary = find_master_binary()
         args = [
             binary,
-            "--rpc_address=127.0.0.1",
+            f"--rpc_address={self.host}",
             f"--rpc_port={self.rpc_port}",
             "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_host={self.host}",
             f"--http_metadata_server_port={self.http_port}",
-            "--metrics_host=127.0.0.1",
+            f"--metrics_host={self.host}",
             f"--metrics_port={self.metrics_port}",
             "--enable_metric_reporting=false",
         ]
@@ -110,6 +121,7 @@ class LocalMaster:
             args,
             stdout=self._log,
             stderr=self._log,
+            env=_guarded_environment(self.host),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
@@ -159,13 +171,14 @@ class LocalStoreNode:
     TCP (or RDMA). Started by ``start()``, which returns once the segment is mounted.
     """
 
-    def __init__(self, master: LocalMaster, segment_bytes: int) -> None:
+    def __init__(self, master: LocalMaster, segment_bytes: int, host: str = "127.0.0.1") -> None:
         self.master = master
         self.segment_bytes = segment_bytes
+        self.host = host
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> LocalStoreNode:
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        env = _guarded_environment(self.host)
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
             [
@@ -175,6 +188,7 @@ class LocalStoreNode:
                 self.master.master_address,
                 self.master.metadata_server,
                 str(self.segment_bytes),
+                self.host,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -218,15 +232,13 @@ def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     return process.stdout.readline().decode(errors="replace")
 
 
-def _serve_segment(master_address: str, metadata_server: str, segment_bytes: int) -> int:
+def _serve_segment(master_address: str, metadata_server: str, segment_bytes: int, host: str) -> int:
     from mooncake.store import MooncakeDistributedStore
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     store = MooncakeDistributedStore()
-    rc = store.setup(
-        "127.0.0.1", metadata_server, segment_bytes, 16 << 20, "tcp", "", master_address
-    )
+    rc = store.setup(host, metadata_server, segment_bytes, 16 << 20, "tcp", "", master_address)
     print("ready" if rc == 0 else f"setup failed: {rc}", flush=True)
     if rc == 0:
         stop.wait()
@@ -249,4 +261,4 @@ def _probe_setup(master: str, metadata: str, host: str, protocol: str, device: s
 if __name__ == "__main__":
     if sys.argv[1] == "probe":
         os._exit(_probe_setup(*sys.argv[2:7]))  # noqa: SLF001 - no teardown of Mooncake needed
-    raise SystemExit(_serve_segment(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    raise SystemExit(_serve_segment(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))

@@ -79,9 +79,13 @@ def process_environment(config: Mapping[str, Any] | MooncakeConfig) -> dict[str,
     """The environment variables a process must have before it hosts a MooncakeStore built
     from ``config``. Set at the edge (the ``kvtier`` CLI, a launcher's child environment), never
     by the library."""
+    from kvtier import bindguard
+
     if not isinstance(config, MooncakeConfig):
-        config = MooncakeConfig.from_dict({k: v for k, v in config.items() if k != "faults"})
-    return {BIND_ADDRESS_ENV: config.local_hostname}
+        config = MooncakeConfig.from_dict(
+            {k: v for k, v in config.items() if k not in ("faults", "mac_key_file")}
+        )
+    return {BIND_ADDRESS_ENV: config.local_hostname, **bindguard.environment(config.local_hostname)}
 
 
 def import_mooncake():
@@ -125,7 +129,7 @@ def probe_setup(config: MooncakeConfig) -> None:
             capture_output=True,
             text=True,
             timeout=config.setup_timeout_s,
-            env={**os.environ, BIND_ADDRESS_ENV: config.local_hostname},
+            env={**os.environ, **process_environment(config)},
         )
     except subprocess.TimeoutExpired:
         raise StorageUnavailable(

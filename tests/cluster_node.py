@@ -1,0 +1,36 @@
+"""A cluster role run inside a network namespace by test_mooncake_network.py.
+
+    python cluster_node.py master HOST                    -> a LocalMaster on HOST
+    python cluster_node.py node HOST MASTER METADATA SIZE -> a LocalStoreNode on HOST
+
+Prints one JSON line (addresses and the pid of the Mooncake process) once ready, then runs
+until its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+
+
+def main(argv: list[str]) -> int:
+    role, host = argv[0], argv[1]
+    if role == "master":
+        started = LocalMaster(host=host).start()
+        info = {"master_address": started.master_address, "metadata": started.metadata_server}
+    else:
+        master = SimpleNamespace(master_address=argv[2], metadata_server=argv[3])
+        started = LocalStoreNode(master, int(argv[4]), host=host).start()  # type: ignore[arg-type]
+        info = {}
+    assert started.process is not None
+    print(json.dumps({**info, "pid": started.process.pid}), flush=True)
+    sys.stdin.read()  # until the test closes our stdin (or dies)
+    started.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
