@@ -53,6 +53,14 @@ def test_on_one_machine_everything_listens_on_loopback_only(tmp_path) -> None:
             assert client.load(h, [20, 21, 22]).blocks == [20, 21, 22]
             for src, dst in zip((1, 2, 3), (20, 21, 22)):
                 assert same(block(caches[0], src), block(caches[0], dst))
+            # Host tasks pass through staging: the engine's host blocks are never registered.
+            assert client.swap_out([4, 5], [0, 1]).blocks == [4, 5]
+            h2 = hashes(2, seed=3)
+            assert client.save_host(h2, [0, 1]).blocks == [0, 1]
+            assert client.load_host(h2, [6, 7]).blocks == [6, 7]
+            assert client.swap_in([6, 7], [24, 25]).blocks == [24, 25]
+            assert same(block(caches[0], 4), block(caches[0], 24))
+            assert same(block(caches[0], 5), block(caches[0], 25))
             assert client._launch is not None
             processes = {
                 "mooncake_master": master.process.pid,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from conftest import require_mooncake
 from kvtier.config import merge_storage_options, settings_from_env
@@ -177,4 +178,26 @@ def test_a_frozen_master_costs_one_deadline_then_fails_fast() -> None:
                     assert time.monotonic() < deadline, "no recovery after the thaw"
                     time.sleep(0.2)
             store.unregister_host_pool(pool)
+        store.close()
+
+
+def test_only_registered_blocks_are_reachable(master) -> None:
+    """Mooncake's peers can read registered memory: a worker registers its staging only."""
+    from kvtier.errors import StorageError
+
+    store = make_backend(CONTRACT_SPEC, master.config(**SMALL))
+    try:
+        with HostPool(CONTRACT_SPEC, 8) as pool:
+            store.register_host_pool(pool, range(6, 8))
+            keys = make_keys(2)
+            for i, key in zip((6, 7), keys):
+                pool.block(i).copy_(expected_block(key, pool.block_bytes))
+            assert store.put_from(keys, [pool.block(6), pool.block(7)]) == [True, True]
+            with pytest.raises(StorageError, match="not a registered block"):
+                store.get_into(keys[:1], [pool.block(0)])
+            pool.block(6).zero_()
+            assert store.get_into(keys[:1], [pool.block(6)]) == [True]
+            assert torch.equal(pool.block(6), expected_block(keys[0], pool.block_bytes))
+            store.unregister_host_pool(pool)
+    finally:
         store.close()

@@ -186,6 +186,11 @@ def load_config(
     return WorkerConfig.from_dict(data)
 
 
+# KVTIER_* variables read elsewhere (not worker settings): the MAC key (kvtier.storage), the
+# bind guard's host (kvtier.bindguard), the test suite's requirements.
+NOT_SETTINGS = frozenset({"KVTIER_STORAGE_MAC_KEY", "KVTIER_BIND_HOST", "KVTIER_TESTS_REQUIRE"})
+
+
 def settings_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(worker settings, storage options) from the environment.
 
@@ -197,7 +202,7 @@ def settings_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[
     data: dict[str, Any] = {}
     storage: dict[str, Any] = {}
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if name.startswith(MOONCAKE_ENV_PREFIX):

@@ -15,11 +15,16 @@ staging a block is verified before it reaches the device; on a CPU cache with a 
 reads scattered (file, memory), objects are read straight into the device blocks (one copy
 instead of two), verified there, and a block that fails is zeroed. A save reports the prefix
 now in storage. Storage that cannot be reached costs "0 blocks", never an exception.
+
+Backends whose peers can read registered memory (Mooncake) get only the staging ranges
+registered; host tasks (``save_host``/``load_host``) then pass through staging too, holding the
+range's lock (a save and a save_host run on different threads).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,7 +71,13 @@ class DataPath:
         self.copier: BlockCopier = make_copier(device_cache, host_pool)
         self._save_staging = layout.save_staging
         self._load_staging = layout.load_staging
-        storage.register_host_pool(host_pool)
+        self._save_lock = threading.Lock()  # the save staging range (save, staged save_host)
+        self._load_lock = threading.Lock()  # the load staging range (load, staged load_host)
+        self._staged_host_io = storage.exposes_registered_memory
+        first = layout.engine_blocks
+        storage.register_host_pool(
+            host_pool, range(first, layout.total_blocks) if self._staged_host_io else None
+        )
 
     def run(self, task: DataTask, keys: KeyScheme) -> Outcome:
         """Execute ``task``; storage tasks use ``keys``. Raises KvtierError on bad input."""
@@ -139,11 +150,12 @@ class DataPath:
             while done < len(storage_keys):
                 chunk = slice(done, min(len(storage_keys), done + staging.size))
                 ids = staging[: chunk.stop - chunk.start]
-                self.copier.swap_out(dev[chunk], ids, checksum=True)
-                blocks = [self.host_pool.block(int(i)) for i in ids]
-                ok = self.storage.put_from(
-                    storage_keys[chunk], blocks, self.host_pool.known_checksums(ids)
-                )
+                with self._save_lock:
+                    self.copier.swap_out(dev[chunk], ids, checksum=True)
+                    blocks = [self.host_pool.block(int(i)) for i in ids]
+                    ok = self.storage.put_from(
+                        storage_keys[chunk], blocks, self.host_pool.known_checksums(ids)
+                    )
                 stored = _leading_true(ok)
                 done += stored
                 moved += sum(ok) * self.host_pool.block_bytes
@@ -205,9 +217,10 @@ class DataPath:
         ids = self._load_staging[: dev.size]
         sums = np.zeros(ids.size, dtype=np.uint64)
         blocks = [self.host_pool.block(int(i)) for i in ids]
-        fetched = _leading_true(self.storage.get_into(storage_keys, blocks, sums))
-        self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
-        return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
+        with self._load_lock:
+            fetched = _leading_true(self.storage.get_into(storage_keys, blocks, sums))
+            self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
+            return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
 
     def _fetch_direct(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
         """CPU cache: straight into the device block's pieces (one copy), verified by the
@@ -223,12 +236,8 @@ class DataPath:
         host = self._engine_host_ids(task.host_block_ids)
         try:
             done = self.storage.exists_prefix(storage_keys)
-            rest = host[done:]
-            ok = self.storage.put_from(
-                storage_keys[done:],
-                [self.host_pool.block(int(i)) for i in rest],
-                self.host_pool.known_checksums(rest),
-            )
+            put = self._put_staged if self._staged_host_io else self._put_host_blocks
+            ok = put(storage_keys[done:], host[done:])
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         stored = _leading_true(ok)
@@ -242,10 +251,8 @@ class DataPath:
         host = self._engine_host_ids(task.host_block_ids, destination=True)
         try:
             available = self.storage.exists_prefix(storage_keys)
-            ids = host[:available]
-            ok = self.storage.get_into(
-                storage_keys[:available], [self.host_pool.block(int(i)) for i in ids]
-            )
+            get = self._get_staged if self._staged_host_io else self._get_host_blocks
+            ok = get(storage_keys[:available], host[:available])
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         self.host_pool.forget_checksums(host)
@@ -253,6 +260,48 @@ class DataPath:
         return _prefix_outcome(
             task.host_block_ids, loaded, sum(ok) * self.host_pool.block_bytes, "loaded"
         )
+
+    def _put_host_blocks(
+        self, storage_keys: list[str], host: np.ndarray, copied_from: np.ndarray | None = None
+    ) -> list[bool]:
+        """Put host blocks; their recorded checksums are those of ``copied_from`` when given."""
+        blocks = [self.host_pool.block(int(i)) for i in host]
+        sums = self.host_pool.known_checksums(host if copied_from is None else copied_from)
+        return self.storage.put_from(storage_keys, blocks, sums)
+
+    def _get_host_blocks(self, storage_keys: list[str], host: np.ndarray) -> list[bool]:
+        return self.storage.get_into(storage_keys, [self.host_pool.block(int(i)) for i in host])
+
+    def _put_staged(self, storage_keys: list[str], host: np.ndarray) -> list[bool]:
+        """``_put_host_blocks`` through the save staging, a staging-sized chunk at a time."""
+        ok: list[bool] = []
+        step = self._save_staging.size
+        for start in range(0, host.size, step):
+            src = host[start : start + step]
+            ids = self._save_staging[: src.size]
+            with self._save_lock:
+                for s, d in zip(src.tolist(), ids.tolist()):
+                    self.host_pool.block(d).copy_(self.host_pool.block(s))
+                ok += self._put_host_blocks(storage_keys[start : start + src.size], ids, src)
+            if not all(ok):
+                break
+        return ok
+
+    def _get_staged(self, storage_keys: list[str], host: np.ndarray) -> list[bool]:
+        """``_get_host_blocks`` through the load staging; only verified blocks are copied on."""
+        ok: list[bool] = []
+        step = self._load_staging.size
+        for start in range(0, host.size, step):
+            dst = host[start : start + step]
+            ids = self._load_staging[: dst.size]
+            with self._load_lock:
+                got = self._get_host_blocks(storage_keys[start : start + dst.size], ids)
+                for s, d in zip(ids[: _leading_true(got)].tolist(), dst.tolist()):
+                    self.host_pool.block(d).copy_(self.host_pool.block(s))
+            ok += got
+            if not all(got):
+                break
+        return ok
 
     def close(self) -> None:
         self.copier.close()

@@ -169,8 +169,14 @@ class StorageBackend(ABC):
         self._corrupt(key, ObjectCorrupt(reason))
         self.delete([key])
 
-    def register_host_pool(self, pool) -> None:  # noqa: B027 - optional hook
-        """Called once per HostPool before it is used; zero-copy backends register it."""
+    # True where registered memory is readable by the backend's peers (Mooncake's transfer
+    # engine serves reads of it without authentication): callers then register only the blocks
+    # the backend must reach (a worker: its staging) and move other blocks through them.
+    exposes_registered_memory = False
+
+    def register_host_pool(self, pool, blocks: range | None = None) -> None:  # noqa: B027
+        """Called once per HostPool before it is used; zero-copy backends register ``blocks``
+        of it (None: all) and then read and write only those."""
 
     def unregister_host_pool(self, pool) -> None:  # noqa: B027 - optional hook
         """Called before a registered HostPool is freed."""

@@ -170,8 +170,12 @@ class FaultInjectingStore(StorageBackend):
     def write_object(self, key: str, data: bytes) -> None:
         self.inner.write_object(key, data)
 
-    def register_host_pool(self, pool) -> None:
-        self.inner.register_host_pool(pool)
+    @property
+    def exposes_registered_memory(self) -> bool:  # type: ignore[override]
+        return self.inner.exposes_registered_memory
+
+    def register_host_pool(self, pool, blocks: range | None = None) -> None:
+        self.inner.register_host_pool(pool, blocks)
 
     def unregister_host_pool(self, pool) -> None:
         self.inner.unregister_host_pool(pool)

@@ -82,6 +82,7 @@ def describe(rc: int) -> str:
 class _Registered:
     pool: Any  # HostPool
     objects: np.ndarray  # [num_blocks, stride]: header slot + block, as numpy
+    blocks: range  # the registered blocks
 
 
 class MooncakeStore(StorageBackend):
@@ -125,20 +126,29 @@ class MooncakeStore(StorageBackend):
 
     # ---- registration -----------------------------------------------------------------------
 
-    def register_host_pool(self, pool) -> None:
-        """Register the pool's whole slab (header slots included) once for zero-copy I/O."""
+    exposes_registered_memory = True
+
+    def register_host_pool(self, pool, blocks: range | None = None) -> None:
+        """Register ``blocks`` of the pool (header slots included; None: all) once, for
+        zero-copy I/O. Mooncake's peers can read registered memory: register only what must
+        move (a worker registers its staging, never the engine's host blocks)."""
+        blocks = range(pool.num_blocks) if blocks is None else blocks
+        if not blocks or blocks.step != 1 or blocks.start < 0 or blocks.stop > pool.num_blocks:
+            raise StorageError(f"cannot register blocks {blocks} of a {pool.num_blocks}-block pool")
         with self._lock:
             if any(r.pool is pool for r in self._regions):
                 return
-            rc = self._store.register_buffer(pool.base_address, pool.size_bytes)
+            start = pool.base_address + blocks.start * pool.stride_bytes
+            rc = self._store.register_buffer(start, len(blocks) * pool.stride_bytes)
             if rc != 0:
                 raise StorageError(f"mooncake register_buffer failed: {describe(rc)}")
-            self._regions.append(_Registered(pool, pool.objects.numpy()))
+            self._regions.append(_Registered(pool, pool.objects.numpy(), blocks))
 
     def unregister_host_pool(self, pool) -> None:
         with self._lock:
             for region in [r for r in self._regions if r.pool is pool]:
-                self._store.unregister_buffer(pool.base_address)
+                start = pool.base_address + region.blocks.start * pool.stride_bytes
+                self._store.unregister_buffer(start)
                 self._regions.remove(region)
 
     def _slots(self, host_blocks: Sequence[torch.Tensor]) -> list[tuple[np.ndarray, int]]:
@@ -148,14 +158,12 @@ class MooncakeStore(StorageBackend):
         for i, block in enumerate(host_blocks):
             ptr = block.data_ptr()
             index = region.pool.block_index(ptr) if region is not None else None
-            if index is None:
-                region = next(
-                    (r for r in self._regions if r.pool.block_index(ptr) is not None), None
-                )
+            if region is None or index is None or index not in region.blocks:
+                region = next((r for r in self._regions if _holds(r, ptr)), None)
                 if region is None:
                     raise StorageError(
-                        f"host block {i} is not a block of a registered HostPool: "
-                        "call register_host_pool(pool) first"
+                        f"host block {i} is not a registered block of a HostPool: "
+                        "call register_host_pool(pool, blocks) first"
                     )
                 index = region.pool.block_index(ptr)
             assert region is not None and index is not None
@@ -355,3 +363,7 @@ def _warn_if_unguarded(host: str) -> None:
             "kvtier.storage.mooncake_setup.process_environment)",
             host,
         )
+
+
+def _holds(region: _Registered, address: int) -> bool:
+    return region.pool.block_index(address) in region.blocks
