@@ -7,7 +7,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+from kvtier.table import print_table
 
 
 def median_seconds(
@@ -25,11 +27,27 @@ def median_seconds(
     return statistics.median(times)
 
 
-def interleaved_medians(
+class Timing(NamedTuple):
+    """Seconds of several timed runs: the median and the spread."""
+
+    median: float
+    fastest: float
+    slowest: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Timing:
+        return cls(statistics.median(seconds), min(seconds), max(seconds))
+
+    def gbps_range(self, num_bytes: int) -> str:
+        """'min-max' GB/s of the runs (slowest run first)."""
+        return f"{gbps(num_bytes, self.slowest):.2f}-{gbps(num_bytes, self.fastest):.2f}"
+
+
+def interleaved_timings(
     fns: dict[str, Callable[[], object]], runs: int, sync: Callable[[], None] = lambda: None
-) -> dict[str, float]:
-    """Median seconds of each function, run in turn each round so that all of them see the same
-    machine noise (these machines are shared). The first round warms up and is not counted."""
+) -> dict[str, Timing]:
+    """Timing of each function, run in turn each round so that all of them see the same machine
+    noise (these machines are shared). The first round warms up and is not counted."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_ in range(runs + 1):
         for name, fn in fns.items():
@@ -39,27 +57,18 @@ def interleaved_medians(
             sync()
             if round_:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: Timing.of(t) for name, t in times.items()}
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], runs: int, sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """Median seconds of each function (see ``interleaved_timings``)."""
+    return {name: t.median for name, t in interleaved_timings(fns, runs, sync).items()}
 
 
 def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
-    """``columns`` is (key, heading, format spec) for each column."""
-    cells = [[format(row[key], fmt) for key, _, fmt in columns] for row in rows]
-    headings = [heading for _, heading, _ in columns]
-    widths = [
-        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-        for i, h in enumerate(headings)
-    ]
-    line = "  ".join(h.rjust(w) for h, w in zip(headings, widths))
-    print(line)
-    print("-" * len(line))
-    for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
-    sys.stdout.flush()
 
 
 def print_json_rows(rows: Sequence[dict[str, Any]]) -> None:
@@ -83,6 +92,27 @@ def emit(
     else:
         print(title)
         print_table(rows, columns)
+
+
+def save_plot(path: str, draw: Callable[[Any], None], title: str) -> None:
+    """Draw a figure with ``draw(pyplot)`` and save it to ``path`` (PNG, SVG, PDF by suffix).
+
+    matplotlib is an optional extra: ``pip install 'kvtier[plot]'``.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
+    plt.figure(figsize=(10, 5.5))
+    draw(plt)
+    plt.suptitle(title)
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close("all")
+    progress(f"plot written to {path}")
 
 
 def standalone(

@@ -20,13 +20,14 @@ import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
 from kvtier.device import cache_name
-from kvtier_bench.common import emit, gbps, interleaved_medians, progress, standalone
+from kvtier_bench.common import emit, gbps, interleaved_timings, progress, save_plot, standalone
 
 COLUMNS = [
     ("block_size", "block_size", "d"),
     ("num_blocks", "N", "d"),
     ("direction", "direction", "s"),
     ("gbps", "GB/s", ".2f"),
+    ("gbps_range", "min-max", "s"),
     ("limit_gbps", "limit GB/s", ".2f"),
     ("ratio_to_limit", "x limit", ".2f"),
     ("loop_gbps", "loop GB/s", ".2f"),
@@ -39,13 +40,20 @@ COLUMNS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--block-sizes", default="16,64", help="tokens per block, comma-separated")
-    p.add_argument("--num-blocks", default="16,256,2048", help="blocks per call, comma-separated")
+    p.add_argument(
+        "--num-blocks",
+        default=None,
+        help="blocks per call, comma-separated (default 16,256,1024: about 4 GiB at once; "
+        "--large: 16,256,2048,4096)",
+    )
+    p.add_argument("--large", action="store_true", help="the larger sweep (about 17 GiB)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--runs", type=int, default=5, help="timed runs per figure (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--plot", metavar="FILE", help="draw GB/s against N beside the limit (PNG)")
 
 
 def _ints(text: str) -> list[int]:
@@ -53,18 +61,26 @@ def _ints(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.num_blocks is None:
+        args.num_blocks = "16,256,2048,4096" if args.large else "16,256,1024"
     rows = []
     for block_size in _ints(args.block_sizes):
-        rows += _run_block_size(args, block_size)
+        for n in _ints(args.num_blocks):
+            rows += _run_case(args, block_size, n)
     return rows
 
 
-def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
-    counts = _ints(args.num_blocks)
-    capacity = max(counts)
+def _run_case(args: argparse.Namespace, block_size: int, n: int) -> list[dict]:
+    """One (block size, N) case on a device cache and a host pool of exactly N blocks each.
+
+    Sizing both to N (not to the largest N of the sweep) makes kvtier's copy and the limit's
+    contiguous copy touch the same pages, and keeps memory to what the case needs: a sweep
+    that held every case's memory at once (8.6 GB) swung between 0.65 and 1.0 of the limit
+    from one invocation to the next, while each case alone was stable.
+    """
     spec = KVCacheSpec(
         num_layers=args.layers,
-        num_blocks=capacity,
+        num_blocks=n,
         num_kv_heads=args.heads,
         block_size=block_size,
         head_dim=args.head_dim,
@@ -72,16 +88,17 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
     )
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng([args.seed, block_size, n])
     name = cache_name(f"bench{uuid.uuid4().hex[:8]}", 0)
+    nbytes = n * spec.block_bytes
     progress(
-        f"block_size {block_size}: {args.layers} layers, {spec.block_bytes >> 10} KiB/block, "
-        f"{capacity} blocks ({spec.device_bytes / 2**30:.1f} GiB per side)"
+        f"block_size {block_size}, N={n}: {spec.block_bytes >> 10} KiB/block, "
+        f"{nbytes / 2**30:.2f} GiB per side"
     )
     rows = []
     with (
         DeviceCache.create(spec, name, device=args.device) as cache,
-        HostPool(spec, capacity) as pool,
+        HostPool(spec, n) as pool,
     ):
         for row in cache.tensors:
             for t in row:
@@ -92,65 +109,55 @@ def _run_block_size(args: argparse.Namespace, block_size: int) -> list[dict]:
                 )
         copier = make_copier(cache, pool)
         dev_flat = (
-            torch.empty(capacity * spec.block_bytes, dtype=torch.uint8, device="cuda")
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             if cuda
-            else cache.segment[4096 : 4096 + capacity * spec.block_bytes]
+            else cache.segment[4096 : 4096 + nbytes]
         )
-        dev_flat.fill_(1)
         host_flat = pool.flat
-        for n in counts:
-            dev_ids = rng.permutation(spec.num_blocks)[:n]
-            host_ids = rng.permutation(pool.num_blocks)[:n]
-            nbytes = n * spec.block_bytes
-            copier.swap_out(dev_ids, host_ids)
-            _verify(cache, pool, dev_ids, host_ids)
-            copier.swap_out(dev_ids, host_ids, checksum=True)  # swap_in_verified needs them
-            for direction in ("swap_out", "swap_in"):
-                if direction == "swap_out":
-                    fns = {
-                        "op": lambda d=dev_ids, h=host_ids: copier.swap_out(d, h),
-                        "hashed": lambda d=dev_ids, h=host_ids: copier.swap_out(
-                            d, h, checksum=True
-                        ),
-                        "limit": lambda b=nbytes: host_flat[:b].copy_(
-                            dev_flat[:b], non_blocking=cuda
-                        ),
-                    }
-                else:
-                    fns = {
-                        "op": lambda d=dev_ids, h=host_ids: copier.swap_in(h, d),
-                        "hashed": lambda d=dev_ids, h=host_ids: _check_all(
-                            copier.swap_in_verified(h, d)
-                        ),
-                        "limit": lambda b=nbytes: dev_flat[:b].copy_(
-                            host_flat[:b], non_blocking=cuda
-                        ),
-                    }
-                fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
-                t = interleaved_medians(fns, args.runs, sync)
-                rows.append(
-                    {
-                        "device": args.device,
-                        "block_size": block_size,
-                        "num_blocks": n,
-                        "num_layers": args.layers,
-                        "block_bytes": spec.block_bytes,
-                        "direction": direction,
-                        "bytes": nbytes,
-                        "gbps": gbps(nbytes, t["op"]),
-                        "limit_gbps": gbps(nbytes, t["limit"]),
-                        "loop_gbps": gbps(nbytes, t["loop"]),
-                        "ratio_to_limit": t["limit"] / t["op"],
-                        "speedup_vs_loop": t["loop"] / t["op"],
-                        "checksum_gbps": gbps(nbytes, t["hashed"]),
-                        "checksum_ratio_to_limit": t["limit"] / t["hashed"],
-                        "runs": args.runs,
-                    }
-                )
-                progress(
-                    f"  N={n:5d} {direction:8s} {rows[-1]['gbps']:.2f} GB/s "
-                    f"(limit {rows[-1]['limit_gbps']:.2f})"
-                )
+        dev_ids = rng.permutation(n)
+        host_ids = rng.permutation(n)
+        copier.swap_out(dev_ids, host_ids)
+        _verify(cache, pool, dev_ids, host_ids)
+        copier.swap_out(dev_ids, host_ids, checksum=True)  # swap_in_verified needs them
+        for direction in ("swap_out", "swap_in"):
+            if direction == "swap_out":
+                fns = {
+                    "op": lambda: copier.swap_out(dev_ids, host_ids),
+                    "hashed": lambda: copier.swap_out(dev_ids, host_ids, checksum=True),
+                    "limit": lambda: host_flat[:nbytes].copy_(dev_flat, non_blocking=cuda),
+                }
+            else:
+                fns = {
+                    "op": lambda: copier.swap_in(host_ids, dev_ids),
+                    "hashed": lambda: _check_all(copier.swap_in_verified(host_ids, dev_ids)),
+                    "limit": lambda: dev_flat.copy_(host_flat[:nbytes], non_blocking=cuda),
+                }
+            fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
+            timings = interleaved_timings(fns, args.runs, sync)
+            t = {name: timing.median for name, timing in timings.items()}
+            rows.append(
+                {
+                    "device": args.device,
+                    "block_size": block_size,
+                    "num_blocks": n,
+                    "num_layers": args.layers,
+                    "block_bytes": spec.block_bytes,
+                    "direction": direction,
+                    "bytes": nbytes,
+                    "gbps": gbps(nbytes, t["op"]),
+                    "gbps_range": timings["op"].gbps_range(nbytes),
+                    "limit_gbps": gbps(nbytes, t["limit"]),
+                    "loop_gbps": gbps(nbytes, t["loop"]),
+                    "ratio_to_limit": t["limit"] / t["op"],
+                    "speedup_vs_loop": t["loop"] / t["op"],
+                    "checksum_gbps": gbps(nbytes, t["hashed"]),
+                    "checksum_ratio_to_limit": t["limit"] / t["hashed"],
+                    "runs": args.runs,
+                }
+            )
+            progress(
+                f"  {direction:8s} {rows[-1]['gbps']:.2f} GB/s (limit {rows[-1]['limit_gbps']:.2f})"
+            )
         copier.close()
     return rows
 
@@ -205,8 +212,38 @@ def report(args: argparse.Namespace) -> int:
         f"kvtier bench copy ({args.device}, bfloat16, {args.heads} heads, head_dim "
         f"{args.head_dim}, {args.layers} layers, K+V; median of {args.runs} runs)"
     )
-    emit(run(args), args.json, title, COLUMNS)
+    rows = run(args)
+    emit(rows, args.json, title, COLUMNS)
+    if args.plot:
+        save_plot(args.plot, lambda plt: plot(plt, rows), title)
     return 0
+
+
+def plot(plt, rows: list[dict]) -> None:
+    """One panel per direction: kvtier (solid), with the checksum (dotted) and the contiguous
+    copy limit (dashed) against blocks per call, one colour per block size."""
+    sizes = sorted({r["block_size"] for r in rows})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, direction in enumerate(("swap_out", "swap_in")):
+        ax = plt.subplot(1, 2, i + 1)
+        for colour, size in zip(colours, sizes):
+            mine = sorted(
+                (r for r in rows if r["direction"] == direction and r["block_size"] == size),
+                key=lambda r: r["num_blocks"],
+            )
+            n = [r["num_blocks"] for r in mine]
+            ax.plot(n, [r["gbps"] for r in mine], "o-", color=colour, label=f"{size} tokens/block")
+            ax.plot(n, [r["checksum_gbps"] for r in mine], ":", color=colour, label="  + xxh3")
+            ax.plot(n, [r["limit_gbps"] for r in mine], "--", color=colour, label="  limit")
+        ax.set_xscale("log", base=2)
+        counts = sorted({r["num_blocks"] for r in rows})
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlabel("blocks per call")
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(direction)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,22 @@
-"""`kvtier bench e2e`: the demo's multi-turn chat workload under three configurations, one run.
+"""`kvtier bench e2e`: the demo's multi-turn chat workload under three configurations.
 
 (a) device-only prefix caching, (b) device + host without storage, (c) kvtier with host and
 storage. Reports where prefill tokens came from, the share of prefill avoided, and the time
-spent in kvtier per request.
+spent in kvtier per request (median and spread of ``--runs`` runs; the token shares are the
+same every run: the workload is seeded).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 from collections.abc import Sequence
 
 from kvtier.demo import Workload, run
-from kvtier_bench.common import emit, progress, standalone
+from kvtier.table import plural
+from kvtier_bench.common import emit, progress, save_plot, standalone
 
 COLUMNS = [
     ("config", "configuration", "s"),
@@ -23,6 +26,7 @@ COLUMNS = [
     ("compute", "recomputed", ".1%"),
     ("prefill_avoided", "prefill avoided", ".1%"),
     ("kvtier_ms_per_request", "kvtier ms/request", ".2f"),
+    ("ms_range", "min-max", "s"),
 ]
 CONFIGS = [
     ("device only", False, False),
@@ -32,43 +36,53 @@ CONFIGS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--users", type=int, default=16)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--device-blocks", type=int, default=160)
-    p.add_argument("--host-blocks", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--ranks", type=int, default=2, help="worker ranks (tensor parallel)")
+    p.add_argument("--users", type=int, default=16, help="concurrent chat users")
+    p.add_argument("--turns", type=int, default=6, help="turns per user")
+    p.add_argument("--device-blocks", type=int, default=160, help="device cache blocks")
+    p.add_argument("--host-blocks", type=int, default=256, help="host pool blocks")
+    p.add_argument("--seed", type=int, default=0, help="workload random seed")
+    p.add_argument("--runs", type=int, default=3, help="runs per configuration (median)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--plot", metavar="FILE", help="draw where prefill tokens came from (PNG)")
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     w = Workload.from_args(args)
     rows = []
     for name, use_host, use_storage in CONFIGS:
-        progress(f"{name} ...")
-        root = tempfile.mkdtemp(prefix="kvtier-e2e-")
-        try:
-            r = run(
-                w,
-                {"backend": "file", "root": root},
-                args.ranks,
-                use_host=use_host,
-                use_storage=use_storage,
-                progress=False,
-            )
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        runs = []
+        for i in range(max(1, args.runs)):
+            progress(f"{name} (run {i + 1} of {max(1, args.runs)}) ...")
+            root = tempfile.mkdtemp(prefix="kvtier-e2e-")
+            try:
+                runs.append(
+                    run(
+                        w,
+                        {"backend": "file", "root": root},
+                        args.ranks,
+                        use_host=use_host,
+                        use_storage=use_storage,
+                        progress=False,
+                    )
+                )
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+        r = runs[0]
+        ms = [x["kvtier_ms_per_request"] for x in runs]
         total = max(1, r["prefill_tokens"])
         rows.append(
             {
                 "config": name,
                 **{k: v / total for k, v in r["tokens"].items()},
                 "prefill_avoided": r["prefill_avoided"],
-                "kvtier_ms_per_request": r["kvtier_ms_per_request"],
+                "kvtier_ms_per_request": statistics.median(ms),
+                "ms_range": f"{min(ms):.2f}-{max(ms):.2f}",
                 "requests": r["requests"],
                 "prefill_tokens": r["prefill_tokens"],
-                "blocks_verified": r["blocks_verified"],
-                "blocks_checked": r["blocks_checked"],
+                "blocks_verified": sum(x["blocks_verified"] for x in runs),
+                "blocks_checked": sum(x["blocks_checked"] for x in runs),
+                "runs": len(runs),
             }
         )
     return rows
@@ -77,11 +91,46 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 def report(args: argparse.Namespace) -> int:
     rows = run_all(args)
     title = (
-        f"kvtier bench e2e ({args.users} users x {args.turns} turns, {args.ranks} ranks, "
+        f"kvtier bench e2e ({plural(args.users, 'user')} x {plural(args.turns, 'turn')}, "
+        f"{plural(args.ranks, 'rank')}, "
         f"device {args.device_blocks} blocks, host {args.host_blocks} blocks)"
     )
     emit(rows, args.json, title, COLUMNS)
+    note = working_set_note(rows, Workload.from_args(args))
+    if note and not args.json:
+        print(note)
+    if args.plot:
+        save_plot(args.plot, lambda plt: plot(plt, rows), title)
     return 0 if all(r["blocks_verified"] == r["blocks_checked"] for r in rows) else 1
+
+
+def working_set_note(rows: list[dict], w: Workload) -> str:
+    """When every configuration served the same shares, the device cache held everything."""
+    shares = {tuple(round(r[k], 6) for k in ("device", "host", "storage")) for r in rows}
+    if len(shares) > 1:
+        return ""
+    need = w.working_set_blocks()
+    return (
+        f"note: the three rows are the same because the device cache ({w.device_blocks} blocks) "
+        f"holds the whole working set ({need} blocks): host and storage are never needed. "
+        f"Use --device-blocks below {need} (or more --users) to see them work."
+    )
+
+
+def plot(plt, rows: list[dict]) -> None:
+    """Where each configuration's prefill tokens came from, as stacked bars."""
+    tiers = [("device", "device cache"), ("host", "host pool"), ("storage", "storage")]
+    tiers.append(("compute", "recomputed"))
+    names = [r["config"] for r in rows]
+    left = [0.0] * len(rows)
+    for key, label in tiers:
+        values = [r[key] * 100 for r in rows]
+        plt.barh(names, values, left=left, label=label)
+        left = [a + b for a, b in zip(left, values)]
+    plt.xlabel("share of prefill tokens (%)")
+    plt.xlim(0, 100)
+    plt.gca().invert_yaxis()
+    plt.legend(loc="lower right", fontsize=8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
 import uuid
@@ -38,7 +37,7 @@ from kvtier import HostPool, KVCacheSpec, auth
 from kvtier.checksum import payload_checksum
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
-from kvtier_bench.common import emit, gbps, progress, standalone
+from kvtier_bench.common import Timing, emit, gbps, progress, save_plot, standalone
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -47,6 +46,7 @@ COLUMNS = [
     ("object_mib", "object MiB", ".0f"),
     ("num_objects", "N", "d"),
     ("gbps", "GB/s", ".2f"),
+    ("gbps_range", "min-max", "s"),
     ("raw_gbps", "raw GB/s", ".2f"),
     ("ratio_to_raw", "x raw", ".2f"),
 ]
@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="authenticated objects (HMAC-SHA256): off, on, or both to see the cost",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="FILE", help="draw GB/s per object size beside raw (PNG)")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -130,7 +131,7 @@ def _keys(spec: KVCacheSpec, n: int) -> list[str]:
     return scheme.keys(block_hashes(tokens, spec.block_size))
 
 
-def _row(backend, op, spec, n, t, t_raw, runs) -> dict:
+def _row(backend, op, spec, n, t: Timing, t_raw: Timing, runs) -> dict:
     nbytes = n * spec.block_bytes
     return {
         "backend": backend,
@@ -138,9 +139,10 @@ def _row(backend, op, spec, n, t, t_raw, runs) -> dict:
         "object_bytes": spec.block_bytes,
         "object_mib": spec.block_bytes / 2**20,
         "num_objects": n,
-        "gbps": gbps(nbytes, t),
-        "raw_gbps": gbps(nbytes, t_raw),
-        "ratio_to_raw": t_raw / t,
+        "gbps": gbps(nbytes, t.median),
+        "gbps_range": t.gbps_range(nbytes),
+        "raw_gbps": gbps(nbytes, t_raw.median),
+        "ratio_to_raw": t_raw.median / t.median,
         "runs": runs,
     }
 
@@ -153,8 +155,8 @@ class Trial(NamedTuple):
     cleanup: Callable[[Any], None] = lambda _: None
 
 
-def _interleaved(trials: dict[str, Trial], runs: int) -> dict[str, float]:
-    """Median seconds per trial, running the trials in turn each round so that ours and the
+def _interleaved(trials: dict[str, Trial], runs: int) -> dict[str, Timing]:
+    """Timing of each trial, running the trials in turn each round so that ours and the
     raw limit see the same machine noise. The first round warms up and is not counted."""
     times: dict[str, list[float]] = {name: [] for name in trials}
     for round_ in range(runs + 1):
@@ -166,12 +168,12 @@ def _interleaved(trials: dict[str, Trial], runs: int) -> dict[str, float]:
             trial.cleanup(inputs)
             if round_:
                 times[name].append(elapsed)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: Timing.of(t) for name, t in times.items()}
 
 
-def _rows(backend, spec, n, medians: dict[str, float], raw: str, runs: int) -> list[dict]:
+def _rows(backend, spec, n, timings: dict[str, Timing], raw: str, runs: int) -> list[dict]:
     return [
-        _row(backend, op, spec, n, t, medians[raw], runs) for op, t in medians.items() if op != raw
+        _row(backend, op, spec, n, t, timings[raw], runs) for op, t in timings.items() if op != raw
     ]
 
 
@@ -367,8 +369,45 @@ def report(args: argparse.Namespace) -> int:
         f"kvtier bench storage (median of {args.runs} runs; file fsync={args.fsync}, "
         f"{args.io_threads} I/O threads; GB/s of payload)"
     )
-    emit(run(args), args.json, title, COLUMNS)
+    rows = run(args)
+    emit(rows, args.json, title, COLUMNS)
+    if args.plot:
+        save_plot(args.plot, lambda plt: plot(plt, rows), title)
     return 0
+
+
+def plot(plt, rows: list[dict]) -> None:
+    """One panel per backend: each operation's GB/s (solid) and its raw limit (dashed, same
+    colour) against the object size."""
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, backend in enumerate(backends):
+        ax = plt.subplot(1, len(backends), i + 1)
+        ops = list(
+            dict.fromkeys((r["op"], r.get("mac", "off")) for r in rows if r["backend"] == backend)
+        )
+        for colour, (op, mac) in zip(colours * 3, ops):
+            mine = sorted(
+                (
+                    r
+                    for r in rows
+                    if (r["backend"], r["op"], r.get("mac", "off")) == (backend, op, mac)
+                ),
+                key=lambda r: r["object_mib"],
+            )
+            x = [r["object_mib"] for r in mine]
+            label = op + (" +MAC" if mac == "on" else "")
+            ax.plot(x, [r["gbps"] for r in mine], "o-", color=colour, label=label)
+            ax.plot(x, [r["raw_gbps"] for r in mine], "--", color=colour, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({r["object_mib"] for r in rows})
+        ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+        ax.set_xlabel("object size (MiB)")
+        ax.set_ylabel("GB/s (dashed: raw limit)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(backend)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

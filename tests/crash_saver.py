@@ -110,12 +110,11 @@ def main() -> int:
                     continue
                 visible += 1
                 data = store.read_object(key)
+                payload = memoryview(data)[HEADER_BYTES : HEADER_BYTES + SPEC.block_bytes]
                 ObjectFormat(SPEC.fingerprint).check(
-                    data[:HEADER_BYTES], [memoryview(data)[HEADER_BYTES:]], key, SPEC.block_bytes
+                    data[:HEADER_BYTES], [payload], key, SPEC.block_bytes
                 )  # raises ObjectCorrupt on a torn object
-                if np.array_equal(
-                    np.frombuffer(data, np.uint8, offset=HEADER_BYTES), content(slot)
-                ):
+                if np.array_equal(np.frombuffer(payload, np.uint8), content(slot)):
                     whole += 1
         tmp_left = len(os.listdir(os.path.join(root, "tmp")))
         partial_batch = visible % BLOCKS_PER_SAVE != 0

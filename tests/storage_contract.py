@@ -79,7 +79,7 @@ def reseal(data: bytes, payload: bytes) -> bytes:
     header = bytearray(data[:HEADER_BYTES])
     struct.pack_into("<Q", header, 40, xxhash.xxh3_64_intdigest(payload))
     struct.pack_into("<Q", header, 56, xxhash.xxh3_64_intdigest(bytes(header[:56])))
-    return bytes(header) + payload
+    return bytes(header) + payload + data[HEADER_BYTES + len(payload) :]  # the key trailer kept
 
 
 class StoreContract:
@@ -406,7 +406,13 @@ class StoreContract:
             keys = make_keys(2)
             self.put(store, pool, keys)
             assert self.get(store, pool, keys) == [True, True]
-            store.write_object(keys[0], reseal(store.read_object(keys[0]), forged[HEADER_BYTES:]))
+            store.write_object(
+                keys[0],
+                reseal(
+                    store.read_object(keys[0]),
+                    forged[HEADER_BYTES : HEADER_BYTES + CONTRACT_SPEC.block_bytes],
+                ),
+            )
             assert self.get(store, pool, keys) == [False, True]
 
     def test_authenticated_stores_refuse_every_kind_of_forgery(self, store, pool) -> None:

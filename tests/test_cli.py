@@ -86,11 +86,18 @@ def test_demo_on_mooncake_with_a_local_master_and_store_node() -> None:
     assert data["tokens"]["storage"] > 0  # blocks really came back from the store node
 
 
-def test_bench_e2e_shows_each_tier_helps() -> None:
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_e2e_shows_each_tier_helps(tmp_path) -> None:
     out = kvtier(
         "bench",
         "e2e",
         "--json",
+        "--runs",
+        "1",
+        "--plot",
+        str(tmp_path / "e2e.png"),
         "--users",
         "6",
         "--turns",
@@ -104,13 +111,35 @@ def test_bench_e2e_shows_each_tier_helps() -> None:
     device_only, with_host, full = (json.loads(x) for x in out.stdout.splitlines())
     assert device_only["host"] == device_only["storage"] == 0
     assert full["prefill_avoided"] > with_host["prefill_avoided"] >= device_only["prefill_avoided"]
+    assert (tmp_path / "e2e.png").read_bytes().startswith(PNG_MAGIC)
 
 
-def test_bench_copy_json_rows() -> None:
+def test_bench_e2e_says_when_the_device_cache_holds_everything() -> None:
+    out = kvtier("bench", "e2e", "--users", "1", "--turns", "1", "--runs", "1")
+    assert out.returncode == 0, out.stderr
+    assert "kvtier bench e2e (1 user x 1 turn, 2 ranks" in out.stdout
+    assert "holds the whole working set (40 blocks)" in out.stdout
+
+
+def test_bench_storage_with_and_without_a_mac_and_its_plot(tmp_path) -> None:
+    out = kvtier(
+        "bench", "storage", "--backends", "file", "--sizes", "1", "--bytes-per-run", str(8 << 20),
+        "--runs", "1", "--mac", "both", "--json", "--plot", str(tmp_path / "storage.png"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {(r["op"], r["mac"]) for r in rows} >= {("save", "off"), ("save", "on")}
+    assert all(r["gbps"] > 0 and "-" in r["gbps_range"] for r in rows)
+    assert (tmp_path / "storage.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bench_copy_json_rows(tmp_path) -> None:
     out = kvtier(
         "bench",
         "copy",
         "--json",
+        "--plot",
+        str(tmp_path / "copy.png"),
         "--block-sizes",
         "16",
         "--num-blocks",
@@ -127,6 +156,7 @@ def test_bench_copy_json_rows() -> None:
         assert row.keys() >= REQUIRED_COPY_KEYS
         assert row["gbps"] > 0 and row["limit_gbps"] > 0
     assert {r["direction"] for r in rows} == {"swap_out", "swap_in"}
+    assert (tmp_path / "copy.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_bench_copy_table() -> None:

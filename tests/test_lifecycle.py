@@ -232,7 +232,8 @@ def test_interrupting_the_demo_ends_it_in_about_a_second_leaving_nothing(tmp_pat
     assert proc.returncode == (130 if how == "ctrl-c" else 143), rest[-2000:]
     assert took < 2.0 + 1.0, f"took {took:.1f} s"  # 2 s promised; 1 s of slack for a busy CI
     _wait_gone(workers, 5)
-    assert set(SHM_DIR.iterdir()) <= shm_before, "left in /dev/shm"
+    demo_left = [p for p in set(SHM_DIR.iterdir()) - shm_before if "demo" in p.name]
+    assert not demo_left, "left in /dev/shm"  # (other runs on the machine may come and go)
     left = [
         str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() or p.is_socket()
     ]

@@ -230,7 +230,7 @@ def test_a_writer_of_the_store_cannot_forge_what_a_worker_loads(tmp_path, authen
     from kvtier import auth
     from kvtier.tasks import Status
     from storage_contract import reseal
-    from worker_helpers import block, engine, hashes
+    from worker_helpers import WSPEC, block, engine, hashes
 
     root = tmp_path / "store"
     storage: dict = {"backend": "file", "root": str(root)}
@@ -244,7 +244,7 @@ def test_a_writer_of_the_store_cannot_forge_what_a_worker_loads(tmp_path, authen
         assert len(objects) == 3
         for path in objects:  # the forger: zeros instead of the prompt's KV, checksums fixed
             data = path.read_bytes()
-            path.write_bytes(reseal(data, bytes(len(data) - 64)))
+            path.write_bytes(reseal(data, bytes(WSPEC.block_bytes)))
         loaded = client.load(h, [20, 21, 22])
         if authenticated:
             assert (loaded.status, loaded.blocks) == (Status.PARTIAL, [])  # looked stored: 0 ok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -57,14 +58,16 @@ def test_on_disk_layout(tmp_path) -> None:
     assert len(files) == 2
     for f in files:
         assert f.parts[0] == "objects" and len(f.parts[1]) == 2 and f.name.startswith(f.parts[1])
-        assert (tmp_path / f).stat().st_size == 64 + CONTRACT_SPEC.block_bytes
+        data = (tmp_path / f).read_bytes()
+        key = data[64 + CONTRACT_SPEC.block_bytes :].decode()  # the key trailer
+        assert key in keys and hashlib.sha256(key.encode()).hexdigest() + ".kvb" == f.name
     assert os.listdir(tmp_path / "tmp") == []
 
 
 def test_capacity_evicts_lru_and_survives_restart(tmp_path) -> None:
-    object_bytes = 64 + CONTRACT_SPEC.block_bytes
-    config = {"root": tmp_path, "capacity_bytes": 4 * object_bytes}
     keys = make_keys(6)
+    object_bytes = 64 + CONTRACT_SPEC.block_bytes + len(keys[0])  # header, block, key trailer
+    config = {"root": tmp_path, "capacity_bytes": 4 * object_bytes}
     with HostPool(CONTRACT_SPEC, 6) as pool:
         blocks = [pool.block(i) for i in range(6)]
         with FileStore(CONTRACT_SPEC, config) as store:

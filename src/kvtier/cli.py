@@ -78,14 +78,16 @@ def _demo(args: argparse.Namespace) -> int:
 
         return demo(as_json=args.json)
     from kvtier.demo import Workload, check_ranks, print_demo, run_demo
+    from kvtier.table import plural
 
     w = Workload.from_args(args)
     check_ranks(args.ranks)
     if not args.json:
         print(
-            f"kvtier demo: {w.users} users x {w.turns} turns sharing a "
-            f"{w.system_tokens}-token system prompt; {args.ranks} worker ranks; device cache "
-            f"{w.device_blocks} blocks, host {w.host_blocks} blocks, storage: {args.backend}",
+            f"kvtier demo: {plural(w.users, 'user')} x {plural(w.turns, 'turn')} sharing a "
+            f"{w.system_tokens}-token system prompt; {plural(args.ranks, 'worker rank')}; "
+            f"device cache {w.device_blocks} blocks, host {w.host_blocks} blocks, "
+            f"storage: {args.backend}",
             file=sys.stderr,
             flush=True,
         )
@@ -264,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_demo, _add_serve, _add_bench):
+    from kvtier.status import add_status
+    from kvtier.store_cli import add_store
+
+    for add in (_add_demo, _add_serve, _add_bench, add_store, add_status):
         add(sub, common)
     return p
 
@@ -275,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "takes_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    if args.command != "serve" and not args.verbose:
+        # Mooncake (glog) logs routine events at ERROR ("metadata not found" on every setup):
+        # quiet unless -v, before any Mooncake library loads. A worker keeps them in its log.
+        os.environ.setdefault("GLOG_minloglevel", "3")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -88,8 +88,10 @@ class Client:
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         auth_key: bytes | None = None,
         auth_key_file: str | None = None,
+        observer: bool = False,  # `kvtier status`: stats only; never keeps a worker alive
     ) -> None:
         self._auth = auth_key or (read_key(auth_key_file) if auth_key_file else b"")
+        self._observer = observer
         self.task_timeout_s = task_timeout_s
         self.worker_timeout_s = worker_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -314,6 +316,7 @@ class Client:
                         protocol_version=t.PROTOCOL_VERSION,
                         client_id=self.client_id,
                         auth=self._auth,
+                        observer=self._observer,
                     )
                 )
                 self.transport.send(r.position, hello)

@@ -65,6 +65,12 @@ class Workload:
         names = ("users", "turns", "device_blocks", "host_blocks", "seed", "block_size")
         return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
 
+    def working_set_blocks(self) -> int:
+        """Blocks the whole workload touches: the shared system prompt once, then each user's
+        history (messages and replies) at its longest."""
+        history = self.turns * (self.user_tokens + self.reply_tokens)
+        return self.system_tokens // self.block_size + self.users * -(-history // self.block_size)
+
     def spec(self) -> KVCacheSpec:
         return KVCacheSpec(
             num_layers=self.layers,

@@ -28,6 +28,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import yaml
@@ -49,6 +50,16 @@ _VERSION_RE = re.compile(r"^(RL-STEP\d+)(?:-|$)")
 _warned_version_paths: set[str] = set()
 
 ExtraKey = bytes | str
+
+
+class KeyParts(NamedTuple):
+    """A storage key's fields (``KeyScheme.parse``)."""
+
+    namespace: str
+    version: str
+    fingerprint: str
+    block_hash: str  # hex
+    rank: int
 
 
 def block_hashes(
@@ -140,6 +151,14 @@ class KeyScheme:
                 str(self.rank),
             )
         )
+
+    @staticmethod
+    def parse(key: str) -> KeyParts | None:
+        """The fields of a storage key ``key`` built, or None for any other string."""
+        fields = key.split(":")
+        if len(fields) != 6 or fields[0] != KEY_SCHEME or not fields[5].isdigit():
+            return None
+        return KeyParts(fields[1], fields[2], fields[3], fields[4], int(fields[5]))
 
     def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
         for i, h in enumerate(block_hashes):

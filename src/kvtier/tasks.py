@@ -136,6 +136,7 @@ class Hello(_Message, tag="hello", frozen=True, kw_only=True):
     protocol_version: int
     client_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     auth: Annotated[bytes, msgspec.Meta(max_length=256)] = b""  # the instance secret
+    observer: bool = False  # a status tool: may ask for stats only, keeps nothing alive
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):

@@ -75,6 +75,7 @@ class Worker:
         self._last_heard = time.monotonic()
         self._accepted: set[Peer] = set()
         self._refused: set[Peer] = set()
+        self._observers: set[Peer] = set()  # accepted peers that may only ask for stats
         self._pending: dict[Future, Item] = {}
         self._busy: Counter = Counter()  # per direction: submitted, not finished
         self._inline: list[Item] = []
@@ -217,6 +218,9 @@ class Worker:
         if peer not in self._accepted:
             self._unintroduced(peer, message)
             return
+        if peer in self._observers:
+            self._observe(peer, message)
+            return
         self._last_heard = time.monotonic()
         if isinstance(message, t.DATA_TASKS):
             item = (peer, message, self.resources.keys)  # stamped with the version in force now
@@ -237,6 +241,15 @@ class Worker:
             log.warning(
                 "rank %d: dropped an unexpected %s message", self.rank, type(message).__name__
             )
+
+    def _observe(self, peer: Peer, message: t.Message) -> None:
+        """An observer (``kvtier status``): stats and heartbeats only, no proof of engine life."""
+        if isinstance(message, t.Heartbeat):
+            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=time.time())))
+        elif isinstance(message, t.Control) and message.method == "stats":
+            self.control.receive(peer, message)
+        elif (task_id := getattr(message, "task_id", None)) is not None:
+            self._answer(peer, task_id, t.Status.ERROR, "an observer may only ask for stats")
 
     def _unintroduced(self, peer: Peer, message: t.Message) -> None:
         """A message from a peer without an accepted hello: answered with an error, never run."""
@@ -272,7 +285,11 @@ class Worker:
         if accepted:
             self._accepted.add(peer)
             self._refused.discard(peer)
-            self._last_heard = time.monotonic()
+            if hello.observer:
+                self._observers.add(peer)
+            else:
+                self._observers.discard(peer)
+                self._last_heard = time.monotonic()
         else:
             self._accepted.discard(peer)
             self._refused.add(peer)

@@ -2,7 +2,7 @@
 
 On-disk layout under ``root``::
 
-    objects/<2 hex>/<sha256(key) hex>.kvb   one object: 64-byte header + page-first block
+    objects/<2 hex>/<sha256(key) hex>.kvb   one object: 64-byte header + page-first block + key
     tmp/<pid>-<thread>-<n>.tmp               writes in progress (never read)
 
 A write goes to ``tmp/``, then ``rename()`` publishes it atomically: a crash at any point leaves
@@ -205,10 +205,8 @@ class FileStore(StorageBackend):
         if fd is None:
             return False
         try:
-            size = os.fstat(fd).st_size
-            if size != self.object_bytes:
-                raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes}")
-            self.format.parse(os.pread(fd, HEADER_BYTES, 0), key, self.payload_bytes)
+            header = self.format.parse(os.pread(fd, HEADER_BYTES, 0), key, self.payload_bytes)
+            self._check_size(os.fstat(fd).st_size, header.key_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(path)
@@ -227,16 +225,21 @@ class FileStore(StorageBackend):
         if fd is None:
             return False
         header = bytearray(HEADER_BYTES)
+        encoded = key.encode()
+        trailer = bytearray(len(encoded))
         tensor = isinstance(target, torch.Tensor)
         views = [memoryview(target.numpy())] if tensor else list(target)
         try:
             st = os.fstat(fd)
-            size = st.st_size
-            if size != self.object_bytes:
-                raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes}")
-            n = os.preadv(fd, [header, *views], 0)
-            if n != self.object_bytes:
-                raise ObjectCorrupt(f"short read: {n} of {self.object_bytes} bytes")
+            key_bytes = st.st_size - self.object_bytes  # the trailer, if the size is right
+            n = os.preadv(fd, [header, *views, memoryview(trailer)[: max(0, key_bytes)]], 0)
+            self._check_size(
+                st.st_size, self.format.parse(header, key, self.payload_bytes).key_bytes
+            )
+            if n != st.st_size:
+                raise ObjectCorrupt(f"short read: {n} of {st.st_size} bytes")
+            if key_bytes and trailer != encoded:
+                raise ObjectCorrupt("key trailer names another key")
             if tensor:
                 self.format.check_or_defer(header, views[0], key, checksums_out, index)
             else:  # scattered: verified now, while the bytes are still in the CPU cache
@@ -268,10 +271,10 @@ class FileStore(StorageBackend):
         tensor = isinstance(source, torch.Tensor)
         views = [memoryview(source.numpy())] if tensor else list(source)
         known = checksums[index] if checksums is not None else None
-        header = self.format.header(key, views, known)
+        header = self.format.header(key, views, known, trailer=True)
         tmp = self._tmp_path()
         try:
-            self._write_tmp(tmp, header, views)
+            self._write_tmp(tmp, [header, *views, key.encode()])
             try:
                 os.rename(tmp, path)
             except FileNotFoundError:  # the fan-out directory went away: recreate, retry once
@@ -283,18 +286,21 @@ class FileStore(StorageBackend):
             self._warn_once("write", e)
             self._remove(tmp)
             return False
-        self._indexed(path.name, self.object_bytes)
+        self._indexed(path.name, self.object_bytes + len(key.encode()))
         return True
 
-    def _write_tmp(self, tmp: Path, header: bytes, payload: list[memoryview]) -> None:
+    def _check_size(self, size: int, key_bytes: int) -> None:
+        if size != self.object_bytes + key_bytes:
+            raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes + key_bytes}")
+
+    def _write_tmp(self, tmp: Path, buffers: list) -> None:
         try:
             fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
         except FileNotFoundError:  # the store directory was removed: recreate it
             self._make_dirs()
             fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
         try:
-            buffers: list = [header, *payload]
-            written, total = 0, self.object_bytes
+            written, total = 0, sum(memoryview(b).nbytes for b in buffers)
             while written < total:
                 n = os.pwritev(fd, buffers, written)
                 if n <= 0:

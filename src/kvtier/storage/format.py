@@ -11,7 +11,9 @@ Header layout (little-endian)::
                  v2: MAC (see below)
         32    8  payload length in bytes
         40    8  XXH3-64 of the payload
-        48    8  reserved, must be 0
+        48    2  key trailer length: the storage key (UTF-8) follows the payload (file store;
+                 0: no trailer). Lets tools tell namespace, version and rank of an object.
+        50    6  reserved, must be 0
         56    8  XXH3-64 of header bytes 0..55
 
 Every field is checked on read and the header checks itself, so a flipped bit anywhere in the
@@ -35,6 +37,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import blake3
 import xxhash
@@ -46,10 +49,36 @@ MAGIC = b"KVTB"
 PLAIN, AUTHENTICATED = 1, 2
 HEADER_BYTES = 64
 MAC_BYTES = 16
-_BODY = struct.Struct("<4sHH8s16sQQ8x")  # 56 bytes
+_BODY = struct.Struct("<4sHH8s16sQQH6x")  # 56 bytes
 _CHECK = struct.Struct("<Q")
 _KEY_LENGTH = struct.Struct("<Q")
 _KDF_CONTEXT = "kvtier 2026-11 storage object MAC v2"
+
+
+class Header(NamedTuple):
+    version: int
+    fingerprint: str  # 16 hex digits
+    digest: bytes  # v1: sha256(key)[:16]; v2: the MAC
+    payload_length: int
+    checksum: int  # XXH3-64 of the payload
+    key_bytes: int  # length of the key trailer (0: none)
+
+
+def read_header(header) -> Header:
+    """The fields of a header that checks itself (checksum, magic, known version), with no
+    expectations about them (inspection tools). Raises ObjectCorrupt."""
+    raw = bytes(header[:HEADER_BYTES])
+    if len(raw) < HEADER_BYTES:
+        raise ObjectCorrupt(f"header truncated to {len(raw)} bytes")
+    (self_check,) = _CHECK.unpack_from(raw, _BODY.size)
+    if xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != self_check:
+        raise ObjectCorrupt("header checksum mismatch")
+    magic, version, reserved, fp, digest, length, checksum, key_bytes = _BODY.unpack_from(raw)
+    if magic != MAGIC:
+        raise ObjectCorrupt(f"bad magic {magic!r}")
+    if version not in (PLAIN, AUTHENTICATED) or reserved != 0:
+        raise ObjectCorrupt(f"unknown format version {version}")
+    return Header(version, fp.hex(), digest, length, checksum, key_bytes)
 
 
 def key_digest(key: str) -> bytes:
@@ -88,15 +117,20 @@ class ObjectFormat:
 
     # ---- writing ----------------------------------------------------------------------------
 
-    def header(self, key: str, payload: Sequence, checksum: int | None = None) -> bytes:
+    def header(
+        self, key: str, payload: Sequence, checksum: int | None = None, *, trailer: bool = False
+    ) -> bytes:
         """The header for ``payload`` (a list of buffers) stored under ``key``.
 
         ``checksum``: the payload's XXH3-64 when the caller knows it (recorded by the copier).
+        ``trailer``: the object ends with the key (its length recorded here).
         """
         length = sum(memoryview(v).nbytes for v in payload)
         if checksum is None:
             checksum = checksum_of(payload)
+        key_bytes = len(key.encode()) if trailer else 0
         fields = [MAGIC, self.version, 0, bytes.fromhex(self.fingerprint), b"", length, checksum]
+        fields.append(key_bytes)
         if self.mac_key is None:
             fields[4] = key_digest(key)
         else:
@@ -118,41 +152,34 @@ class ObjectFormat:
 
     # ---- reading ----------------------------------------------------------------------------
 
-    def parse(self, header, key: str, payload_length: int) -> int:
-        """Check every header field against what the reader expects; return the payload checksum.
+    def parse(self, header, key: str, payload_length: int) -> Header:
+        """Check every header field against what the reader expects; return them.
 
         Raises ObjectCorrupt naming the first field that does not match. (The MAC of an
         authenticated object covers the payload: ``check`` verifies it.)
         """
-        raw = bytes(header[:HEADER_BYTES])
-        if len(raw) < HEADER_BYTES:
-            raise ObjectCorrupt(f"header truncated to {len(raw)} bytes")
-        (self_check,) = _CHECK.unpack_from(raw, _BODY.size)
-        if xxhash.xxh3_64_intdigest(raw[: _BODY.size]) != self_check:
-            raise ObjectCorrupt("header checksum mismatch")
-        magic, version, reserved, fp, digest, length, checksum = _BODY.unpack_from(raw)
-        if magic != MAGIC:
-            raise ObjectCorrupt(f"bad magic {magic!r}")
-        if version not in (PLAIN, AUTHENTICATED) or reserved != 0:
-            raise ObjectCorrupt(f"unknown format version {version}")
+        fields = read_header(header)
+        version, fp, digest, length = fields[:4]
         if version != self.version:
             raise ObjectCorrupt(
                 "object is not authenticated (written without storage.mac_key_file)"
                 if version == PLAIN
                 else "object is authenticated but this reader has no storage.mac_key_file"
             )
-        if fp.hex() != self.fingerprint:
-            raise ObjectCorrupt(f"layout fingerprint {fp.hex()} != {self.fingerprint}")
+        if fp != self.fingerprint:
+            raise ObjectCorrupt(f"layout fingerprint {fp} != {self.fingerprint}")
         if version == PLAIN and digest != key_digest(key):
             raise ObjectCorrupt("object stored under another key")
         if length != payload_length:
             raise ObjectCorrupt(f"payload length {length} != {payload_length}")
-        return checksum
+        if fields.key_bytes not in (0, len(key.encode())):
+            raise ObjectCorrupt(f"key trailer of {fields.key_bytes} bytes does not fit the key")
+        return fields
 
     def check(self, header, payload: Sequence, key: str, payload_length: int) -> None:
         """Raise ObjectCorrupt unless header and payload (a list of buffers, in order) are
         exactly what was stored under ``key``."""
-        expected = self.parse(header, key, payload_length)
+        expected = self.parse(header, key, payload_length).checksum
         if self.mac_key is not None:
             self._check_mac(header, key, payload)
         if checksum_of(payload) != expected:
@@ -170,6 +197,6 @@ class ObjectFormat:
         if checksums_out is None:
             self.check(header, [payload], key, len(payload))
             return
-        checksums_out[index] = self.parse(header, key, len(payload))
+        checksums_out[index] = self.parse(header, key, len(payload)).checksum
         if self.mac_key is not None:
             self._check_mac(header, key, [payload])

@@ -258,7 +258,24 @@ def _probe_setup(master: str, metadata: str, host: str, protocol: str, device: s
     return 0 if rc == 0 else 1
 
 
+def _remove_matching(master: str, metadata: str, host: str, pattern: str) -> int:
+    """A pure client removes every object whose key matches ``pattern``; prints the count."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(host, metadata, 0, 16 << 20, "tcp", "", master)
+    if rc != 0:
+        print(f"setup returned {rc}", flush=True)
+        return 1
+    removed = store.remove_by_regex(pattern, True)
+    print(f"removed {removed}", flush=True)
+    store.close()
+    return 0 if removed >= 0 else 1
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "remove":
+        os._exit(_remove_matching(*sys.argv[2:6]))  # noqa: SLF001
     if sys.argv[1] == "probe":
         os._exit(_probe_setup(*sys.argv[2:7]))  # noqa: SLF001 - no teardown of Mooncake needed
     raise SystemExit(_serve_segment(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))

@@ -201,3 +201,32 @@ class Bounded:
         stuck = self._stuck is not None and not self._stuck.done()
         self._executor.shutdown(wait=not stuck, cancel_futures=True)
         return stuck
+
+
+def remove_matching(config: Mapping[str, Any] | MooncakeConfig, pattern: str) -> int:
+    """Remove every object whose key matches the regular expression ``pattern`` (a pure client
+    in a child process, bounded by ``setup_timeout_s + call_timeout_s``); the count removed."""
+    import subprocess
+    import sys
+
+    if not isinstance(config, MooncakeConfig):
+        config = MooncakeConfig.from_dict(config)
+    probe(config.master_address, config.connect_timeout_s)
+    args = [sys.executable, "-m", "kvtier.storage.mooncake_local", "remove"]
+    args += [config.master_address, config.metadata_server, config.local_hostname, pattern]
+    try:
+        out = subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            timeout=config.setup_timeout_s + config.call_timeout_s,
+            env={**os.environ, **process_environment(config)},
+        )
+    except subprocess.TimeoutExpired:
+        raise StorageUnavailable(
+            f"mooncake master {config.master_address} did not answer"
+        ) from None
+    last = (out.stdout.strip().splitlines() or [""])[-1]
+    if out.returncode != 0 or not last.startswith("removed "):
+        raise StorageUnavailable(f"mooncake remove failed: {last or out.stderr.strip()[-300:]}")
+    return int(last.split()[1])

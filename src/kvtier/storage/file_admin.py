@@ -1,0 +1,252 @@
+"""Looking at and tidying a file store from outside: what ``kvtier store`` runs.
+
+Safe beside live workers: objects are read through their own descriptors (``O_NOFOLLOW``, no
+blocking, regular files only) and removed with one ``unlink`` each — a load that already opened
+the object reads it to the end, a later one misses. Nothing outside the store's own layout
+(``objects/<2 hex>/<64 hex>.kvb``) is ever removed; anything else found there is reported as
+foreign and left alone.
+
+An object says what it is: its header (layout fingerprint, payload length, checksums) and, since
+the key trailer, its storage key (namespace, weight version, rank). Objects written before the
+trailer existed count under namespace ``?``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import ObjectCorrupt, StorageError
+from kvtier.keys import KeyParts, KeyScheme
+from kvtier.storage.format import HEADER_BYTES, PLAIN, Header, ObjectFormat, read_header
+
+OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
+FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
+UNKNOWN = "?"
+READ_CHUNK = 8 << 20
+
+
+@dataclass
+class StoredObject:
+    """One entry under ``objects/``: an object (``header`` set) or something else."""
+
+    path: Path
+    size: int
+    mtime: float
+    header: Header | None = None
+    key: str | None = None
+    parts: KeyParts | None = None
+    problem: str | None = None  # why it is corrupt (an object) or foreign (anything else)
+    foreign: bool = False
+
+    @property
+    def namespace(self) -> str:
+        return self.parts.namespace if self.parts else UNKNOWN
+
+    @property
+    def version(self) -> str:
+        return self.parts.version if self.parts else UNKNOWN
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header.fingerprint if self.header else UNKNOWN
+
+
+def objects_dir(root: str | Path) -> Path:
+    root = Path(root)
+    if not (root / "objects").is_dir() or (root / "objects").is_symlink():
+        raise StorageError(f"{root} is not a kvtier file store (no objects/ directory)")
+    return root / "objects"
+
+
+def scan(root: str | Path) -> Iterator[StoredObject]:
+    """Every entry of the store's object directories, each object's header and key read."""
+    top = objects_dir(root)
+    for fanout in sorted(os.scandir(top), key=lambda e: e.name):
+        if not (FANOUT_NAME.fullmatch(fanout.name) and fanout.is_dir(follow_symlinks=False)):
+            yield _foreign(Path(fanout.path), "not a fan-out directory of the store")
+            continue
+        for entry in sorted(os.scandir(fanout.path), key=lambda e: e.name):
+            path = Path(entry.path)
+            if not OBJECT_NAME.fullmatch(entry.name):
+                yield _foreign(path, "not an object name")
+            else:
+                yield inspect(path)
+
+
+def _foreign(path: Path, why: str) -> StoredObject:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    size = st.st_size if st and stat.S_ISREG(st.st_mode) else 0
+    return StoredObject(path, size, st.st_mtime if st else 0.0, problem=why, foreign=True)
+
+
+def _open(path: Path) -> int | None:
+    """A descriptor of the regular file at ``path``; None for anything else (never followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENOENT):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def inspect(path: Path) -> StoredObject:
+    """The object at ``path``: header and key read and checked against each other and the
+    file's name and size (the payload is not read: see ``verify_object``)."""
+    fd = _open(path)
+    if fd is None:
+        return _foreign(path, "not a regular file")
+    try:
+        st = os.fstat(fd)
+        found = StoredObject(path, st.st_size, st.st_mtime)
+        try:
+            found.header = read_header(os.pread(fd, HEADER_BYTES, 0))
+            h = found.header
+            if st.st_size != HEADER_BYTES + h.payload_length + h.key_bytes:
+                raise ObjectCorrupt(f"object is {st.st_size} bytes, its header says otherwise")
+            if h.key_bytes:
+                found.key = os.pread(fd, h.key_bytes, st.st_size - h.key_bytes).decode()
+                _check_key(found, path)
+        except (ObjectCorrupt, UnicodeDecodeError) as e:
+            found.problem = str(e)
+        return found
+    finally:
+        os.close(fd)
+
+
+def _check_key(found: StoredObject, path: Path) -> None:
+    assert found.key is not None and found.header is not None
+    digest = hashlib.sha256(found.key.encode()).digest()
+    if path.name != digest.hex() + ".kvb":
+        raise ObjectCorrupt("the key trailer does not name this file")
+    if found.header.version == PLAIN and found.header.digest != digest[:16]:
+        raise ObjectCorrupt("the key trailer does not match the header")
+    found.parts = KeyScheme.parse(found.key)
+    if found.parts is None:
+        raise ObjectCorrupt("the key trailer is not a kvtier storage key")
+    if found.parts.fingerprint != found.header.fingerprint:
+        raise ObjectCorrupt("the key's fingerprint differs from the header's")
+
+
+def verify_object(found: StoredObject, mac_key: bytes | None = None) -> StoredObject:
+    """Read the payload and check it (XXH3; the MAC too when the object has one and
+    ``mac_key`` is given). Sets ``found.problem`` when it fails."""
+    if found.foreign or found.problem or found.header is None:
+        return found
+    h = found.header
+    fd = _open(found.path)
+    if fd is None:
+        found.problem = "removed or replaced while checking"
+        return found
+    try:
+        payload = bytearray(h.payload_length)
+        view, done = memoryview(payload), 0
+        while done < h.payload_length:
+            n = os.preadv(fd, [view[done : done + READ_CHUNK]], HEADER_BYTES + done)
+            if n <= 0:
+                raise ObjectCorrupt(f"short read at {done} of {h.payload_length} payload bytes")
+            done += n
+        raw = os.pread(fd, HEADER_BYTES, 0)
+        key = found.key or ""
+        authenticated = h.version != PLAIN and mac_key is not None
+        fmt = ObjectFormat(h.fingerprint, mac_key if authenticated else None)
+        if authenticated:
+            fmt.check(raw, [payload], key, h.payload_length)
+        elif not _checksum_ok(payload, h.checksum):
+            raise ObjectCorrupt("payload checksum mismatch")
+    except ObjectCorrupt as e:
+        found.problem = str(e)
+    finally:
+        os.close(fd)
+    return found
+
+
+def _checksum_ok(payload: bytearray, expected: int) -> bool:
+    from kvtier.checksum import payload_checksum
+
+    return payload_checksum(payload) == expected
+
+
+def remove(found: StoredObject) -> bool:
+    """Unlink one object of the store's layout (never a foreign entry); False if already gone."""
+    if found.foreign or not OBJECT_NAME.fullmatch(found.path.name):
+        raise StorageError(f"refusing to remove {found.path}: not an object of the store")
+    try:
+        os.unlink(found.path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``gc`` removes: objects matching every given criterion, then (``capacity_bytes``)
+    the least recently used of the rest until the store fits."""
+
+    namespaces: frozenset[str] = frozenset()
+    versions: frozenset[str] = frozenset()
+    fingerprints: frozenset[str] = frozenset()
+    older_than_s: float | None = None
+    capacity_bytes: int | None = None
+
+    @property
+    def filters(self) -> bool:
+        return bool(
+            self.namespaces or self.versions or self.fingerprints or self.older_than_s is not None
+        )
+
+    def matches(self, found: StoredObject, now: float) -> bool:
+        return (
+            (not self.namespaces or found.namespace in self.namespaces)
+            and (not self.versions or found.version in self.versions)
+            and (not self.fingerprints or found.fingerprint in self.fingerprints)
+            and (self.older_than_s is None or now - found.mtime > self.older_than_s)
+        )
+
+
+def select(objects: list[StoredObject], selection: Selection) -> list[tuple[StoredObject, str]]:
+    """(object, reason) for each object ``selection`` removes; foreign entries never."""
+    if not selection.filters and selection.capacity_bytes is None:
+        raise StorageError(
+            "say what to remove: --namespace, --version, --fingerprint, --older-than or --capacity"
+        )
+    now = time.time()
+    own = [o for o in objects if not o.foreign]
+    chosen = [(o, "matches") for o in own if selection.filters and selection.matches(o, now)]
+    if selection.capacity_bytes is not None:
+        gone = {id(o) for o, _ in chosen}
+        rest = sorted((o for o in own if id(o) not in gone), key=lambda o: o.mtime)
+        used = sum(o.size for o in rest)
+        for found in rest:  # least recently used first, as the store itself evicts
+            if used <= selection.capacity_bytes:
+                break
+            chosen.append((found, "over capacity"))
+            used -= found.size
+    return chosen
+
+
+def verify_all(
+    objects: list[StoredObject],
+    mac_key: bytes | None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[StoredObject]:
+    """``verify_object`` on each, reporting (done, total) to ``progress``."""
+    for i, found in enumerate(objects, 1):
+        verify_object(found, mac_key)
+        if progress is not None:
+            progress(i, len(objects))
+    return objects
