@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -44,19 +45,29 @@ class Timing(NamedTuple):
 
 
 def interleaved_timings(
-    fns: dict[str, Callable[[], object]], runs: int, sync: Callable[[], None] = lambda: None
+    fns: dict[str, Callable[[], object]],
+    runs: int,
+    sync: Callable[[], None] = lambda: None,
+    min_sample_s: float = 0.0,
 ) -> dict[str, Timing]:
-    """Timing of each function, run in turn each round so that all of them see the same machine
-    noise (these machines are shared). The first round warms up and is not counted."""
+    """Seconds per call of each function, run in turn each round so that all of them see the
+    same machine noise (these machines are shared). The first round warms up, is not counted,
+    and sizes each sample: a function that takes less than ``min_sample_s`` is called several
+    times per sample (a millisecond call timed alone swings by tens of percent)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    repeats = dict.fromkeys(fns, 1)
     for round_ in range(runs + 1):
         for name, fn in fns.items():
             sync()
             start = time.perf_counter()
-            fn()
+            for _ in range(repeats[name]):
+                fn()
             sync()
+            elapsed = (time.perf_counter() - start) / repeats[name]
             if round_:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(elapsed)
+            elif min_sample_s > 0:
+                repeats[name] = max(1, math.ceil(min_sample_s / max(elapsed, 1e-6)))
     return {name: Timing.of(t) for name, t in times.items()}
 
 
@@ -113,6 +124,18 @@ def save_plot(path: str, draw: Callable[[Any], None], title: str) -> None:
     plt.savefig(path, dpi=110)
     plt.close("all")
     progress(f"plot written to {path}")
+
+
+def log2_axes(ax, ticks: Sequence, labels: Sequence[str], xlabel: str, ylabel: str, title: str):
+    """The sweep plots' axes: a log2 x axis ticked at ``ticks``, y from 0, grid and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, labels)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def standalone(

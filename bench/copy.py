@@ -20,7 +20,19 @@ import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
 from kvtier.device import cache_name
-from kvtier_bench.common import emit, gbps, interleaved_timings, progress, save_plot, standalone
+from kvtier_bench.common import (
+    emit,
+    gbps,
+    interleaved_timings,
+    log2_axes,
+    progress,
+    save_plot,
+    standalone,
+)
+
+# Each timed sample lasts at least this long (small cases repeat the call): one call of a
+# few milliseconds swung by 25% from run to run.
+MIN_SAMPLE_S = 0.05
 
 COLUMNS = [
     ("block_size", "block_size", "d"),
@@ -133,7 +145,7 @@ def _run_case(args: argparse.Namespace, block_size: int, n: int) -> list[dict]:
                     "limit": lambda: dev_flat.copy_(host_flat[:nbytes], non_blocking=cuda),
                 }
             fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
-            timings = interleaved_timings(fns, args.runs, sync)
+            timings = interleaved_timings(fns, args.runs, sync, MIN_SAMPLE_S)
             t = {name: timing.median for name, timing in timings.items()}
             rows.append(
                 {
@@ -235,15 +247,8 @@ def plot(plt, rows: list[dict]) -> None:
             ax.plot(n, [r["gbps"] for r in mine], "o-", color=colour, label=f"{size} tokens/block")
             ax.plot(n, [r["checksum_gbps"] for r in mine], ":", color=colour, label="  + xxh3")
             ax.plot(n, [r["limit_gbps"] for r in mine], "--", color=colour, label="  limit")
-        ax.set_xscale("log", base=2)
         counts = sorted({r["num_blocks"] for r in rows})
-        ax.set_xticks(counts, [str(c) for c in counts])
-        ax.set_xlabel("blocks per call")
-        ax.set_ylabel("GB/s")
-        ax.set_ylim(bottom=0)
-        ax.set_title(direction)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        log2_axes(ax, counts, [str(c) for c in counts], "blocks per call", "GB/s", direction)
 
 
 if __name__ == "__main__":

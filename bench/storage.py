@@ -37,7 +37,7 @@ from kvtier import HostPool, KVCacheSpec, auth
 from kvtier.checksum import payload_checksum
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
-from kvtier_bench.common import Timing, emit, gbps, progress, save_plot, standalone
+from kvtier_bench.common import Timing, emit, gbps, log2_axes, progress, save_plot, standalone
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -399,15 +399,10 @@ def plot(plt, rows: list[dict]) -> None:
             label = op + (" +MAC" if mac == "on" else "")
             ax.plot(x, [r["gbps"] for r in mine], "o-", color=colour, label=label)
             ax.plot(x, [r["raw_gbps"] for r in mine], "--", color=colour, alpha=0.6)
-        ax.set_xscale("log", base=2)
         sizes = sorted({r["object_mib"] for r in rows})
-        ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
-        ax.set_xlabel("object size (MiB)")
-        ax.set_ylabel("GB/s (dashed: raw limit)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(backend)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        labels = [f"{s:g}" for s in sizes]
+        ylabel = "GB/s (dashed: raw limit)"
+        log2_axes(ax, sizes, labels, "object size (MiB)", ylabel, backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

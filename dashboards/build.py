@@ -127,7 +127,9 @@ def panels():
             28,
             w=8,
             kind="stat",
-            description="The current state of each rank: running, paused, sleeping, waking, stopping.",
+            description=(
+                "The current state of each rank: running, paused, sleeping, waking, stopping."
+            ),
         ),
         panel(
             "Queue depth, by direction and rank",
@@ -146,7 +148,8 @@ def panels():
             "Failed tasks and errors per second",
             [
                 (
-                    f'sum by (kind, status) (rate(kvtier_tasks_total{{{SEL}, status!="ok"}}[{rate}]))',
+                    "sum by (kind, status) "
+                    f'(rate(kvtier_tasks_total{{{SEL}, status!="ok"}}[{rate}]))',
                     "{{kind}} {{status}}",
                 ),
                 (f"sum by (kind) (rate(kvtier_errors_total{{{SEL}}}[{rate}]))", "error: {{kind}}"),
@@ -180,7 +183,9 @@ def dashboard():
     return {
         "title": "kvtier workers",
         "uid": "kvtier-workers",
-        "description": "Tasks, bytes, latency, storage and health of kvtier workers (one series per rank).",
+        "description": (
+            "Tasks, bytes, latency, storage and health of kvtier workers (one series per rank)."
+        ),
         "tags": ["kvtier", "kv-cache"],
         "schemaVersion": 39,
         "version": 1,

@@ -5,12 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
-import urllib.request
 from pathlib import Path
 
-from kvtier import tasks as t
-from worker_helpers import engine, hashes
+from worker_helpers import scrape_a_busy_worker
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 METRIC = re.compile(r"\b(kvtier_[a-z_]+)")
@@ -40,17 +37,9 @@ def test_the_dashboard_is_what_its_builder_makes() -> None:
 
 
 def test_every_metric_and_label_the_dashboard_queries_is_served(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with engine(tmp_path, world_size=1, metrics_port=port) as (client, _):
-        client.swap_out([1, 2], [0, 1])
-        client.save(hashes(2), [1, 2])
-        client.load(hashes(2), [3, 4])
-        client.submit(t.SwapOut(device_block_ids=[999], host_block_ids=[0])).result(10)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    text = scrape_a_busy_worker(tmp_path)
     served: dict[str, set[str]] = {}
-    for line in text.decode().splitlines():
+    for line in text.splitlines():
         if line.startswith("kvtier_"):
             name, _, rest = line.partition("{")
             labels = {pair.split("=")[0] for pair in rest.split("}")[0].split(",") if pair}

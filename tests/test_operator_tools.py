@@ -17,7 +17,7 @@ from kvtier.host import HostPool
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage.file import FileStore
 from storage_contract import CONTRACT_SPEC
-from worker_helpers import FAST, engine, hashes
+from worker_helpers import FAST, engine, hashes, lone_worker_flags
 
 
 def kvtier(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -154,10 +154,16 @@ def test_an_observer_gets_stats_only_and_keeps_no_worker_alive(tmp_path) -> None
     from kvtier.config import endpoint_for
 
     instance = f"obs{uuid.uuid4().hex[:6]}"
-    flags = ["--instance-id", instance, "--key_cache_shape", "40,2,16,64", "--num_layers", "2"]
-    flags += ["--device-cache-mode", "create", "--storage_backend", "memory"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", *flags, "--engine-timeout-s", "3"],
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "serve",
+            *lone_worker_flags(instance),
+            "--engine-timeout-s",
+            "3",
+        ],
         stderr=subprocess.DEVNULL,
     )
     try:

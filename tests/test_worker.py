@@ -19,7 +19,17 @@ from kvtier.config import default_socket_dir
 from kvtier.errors import TaskTimeout, WorkerLost
 from kvtier.keys import KeyScheme
 from kvtier.storage.file import FileStore
-from worker_helpers import FAST, WSPEC, block, engine, fill, hashes, same
+from worker_helpers import (
+    FAST,
+    WSPEC,
+    block,
+    engine,
+    fill,
+    hashes,
+    lone_worker_flags,
+    same,
+    scrape_a_busy_worker,
+)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -427,19 +437,7 @@ def test_serve_with_the_old_engine_flags(tmp_path) -> None:
 
 
 def test_prometheus_metrics_are_scraped_over_loopback(tmp_path) -> None:
-    import socket
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with engine(tmp_path, world_size=1, metrics_port=port) as (client, _):
-        client.swap_out([1, 2], [0, 1])
-        client.save(hashes(2), [1, 2])
-        client.load(hashes(2), [3, 4])
-        client.submit(t.SwapOut(device_block_ids=[999], host_block_ids=[0])).result(10)  # an error
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        text = text.decode()
+    text = scrape_a_busy_worker(tmp_path)
     want = [
         'kvtier_tasks_total{kind="swap_out",rank="0",status="ok"} 1.0',
         'kvtier_tasks_total{kind="swap_out",rank="0",status="error"} 1.0',
@@ -463,8 +461,7 @@ def test_a_worker_nobody_talks_to_exits_after_engine_timeout(tmp_path) -> None:
     from kvtier.config import endpoint_for
 
     instance = f"idle{uuid.uuid4().hex[:6]}"
-    flags = ["--instance-id", instance, "--key_cache_shape", "40,2,16,64", "--num_layers", "2"]
-    flags += ["--device-cache-mode", "create", "--storage_backend", "memory"]
+    flags = lone_worker_flags(instance)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli", "serve", *flags, "--engine-timeout-s", "2"],
         stderr=subprocess.PIPE,

@@ -26,29 +26,6 @@ def prompts(n: int = 4, tail: int = 100, first: int = 600) -> list[list[int]]:
     return [PREFIX + [first + 7 * i + j % 5 for j in range(tail)] for i in range(n)]
 
 
-def make_model(path: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # default-scale random weights give near-constant outputs
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)
-    model.save_pretrained(path)
-
-
 def engine(args: dict):
     from vllm import LLM
 
@@ -90,8 +67,9 @@ def counters(llm) -> dict:
 
 
 def generate(llm, token_lists: list[list[int]], max_tokens: int = 8) -> dict:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     before = counters(llm)
@@ -134,18 +112,22 @@ def kvtier_client(args: dict):
 def rewrite_objects(root: str, how: str) -> int:
     """Rewrite every stored object in place: ``forge`` puts one object's payload into all of
     them with valid headers (a writer of the store loading wrong KV); ``flip`` flips a payload
-    byte (the checksum catches it)."""
+    byte (the checksum catches it). Each object keeps its own key trailer."""
     import xxhash
 
+    from kvtier.storage.format import HEADER_BYTES, read_header
+
     files = sorted(Path(root, "objects").rglob("*.kvb"))
-    donor = files[0].read_bytes()[64:]
+    first = files[0].read_bytes()
+    donor = first[HEADER_BYTES : HEADER_BYTES + read_header(first).payload_length]
     for path in files:
         data = bytearray(path.read_bytes())
+        end = HEADER_BYTES + read_header(data).payload_length
         if how == "flip":
-            data[-1] ^= 0x01
+            data[end - 1] ^= 0x01
         else:
-            data[64:] = donor
-            struct.pack_into("<Q", data, 40, xxhash.xxh3_64_intdigest(bytes(donor)))
+            data[HEADER_BYTES:end] = donor
+            struct.pack_into("<Q", data, 40, xxhash.xxh3_64_intdigest(donor))
             struct.pack_into("<Q", data, 56, xxhash.xxh3_64_intdigest(bytes(data[:56])))
         tmp = path.with_suffix(".rewrite")
         tmp.write_bytes(bytes(data))
@@ -224,8 +206,9 @@ def scenario_abort(args: dict) -> None:
     """A request whose load is in flight is aborted. Its blocks must not go back to the pool
     (where another request could get them) until the load has ended; then they do. Storage
     answers slowly here (fault injection) so that the load is still in flight at the abort."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
 
     llm = engine(args)
     victim = [(7 * i + 3) % 1000 + 10 for i in range(812)]  # shares nothing with `other`
@@ -273,6 +256,9 @@ def close_engines() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
+        # The bench's random Llama (imported only here: that module sets vLLM's environment).
+        from kvtier_bench.vllm_engine import make_model
+
         make_model(sys.argv[2])
     else:
         SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

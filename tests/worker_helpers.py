@@ -65,3 +65,27 @@ def engine(tmp_path, world_size: int = 2, storage: dict | None = None, **setting
             client.close()
         for cache in caches:
             cache.close()
+
+
+def scrape_a_busy_worker(tmp_path) -> str:
+    """The Prometheus text of a live worker that swapped, saved, loaded and refused a bad task."""
+    import socket
+    import urllib.request
+
+    from kvtier import tasks as t
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with engine(tmp_path, world_size=1, metrics_port=port) as (client, _):
+        client.swap_out([1, 2], [0, 1])
+        client.save(hashes(2), [1, 2])
+        client.load(hashes(2), [3, 4])
+        client.submit(t.SwapOut(device_block_ids=[999], host_block_ids=[0])).result(10)  # an error
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def lone_worker_flags(instance: str) -> list[str]:
+    """``kvtier serve`` flags of a worker that owns its cache and stores in memory."""
+    flags = ["--instance-id", instance, "--key_cache_shape", "40,2,16,64", "--num_layers", "2"]
+    return flags + ["--device-cache-mode", "create", "--storage_backend", "memory"]

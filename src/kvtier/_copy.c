@@ -159,6 +159,25 @@ static void *verify_copy_span(void *arg) {
     return NULL;
 }
 
+/* Run work(span t) for every t < n: spans 1..n-1 on threads of their own, span 0 (and any span
+ * whose thread could not be created) on the calling thread. Call with the GIL released. */
+static void run_spans(void *(*work)(void *), void *spans, size_t span_size, int n) {
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    char *base = (char *)spans;
+    for (int t = 1; t < n; t++) {
+        started[t] = pthread_create(&threads[t], NULL, work, base + t * span_size) == 0;
+    }
+    work(base);
+    for (int t = 1; t < n; t++) {
+        if (started[t]) {
+            pthread_join(threads[t], NULL);
+        } else {
+            work(base + t * span_size);
+        }
+    }
+}
+
 static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
@@ -217,8 +236,6 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args) {
     if (num_threads > n) num_threads = (int)(n > 0 ? n : 1);
 
     Span spans[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     /* Split by bytes so that threads finish together even when piece sizes differ. */
     int64_t per_thread = (total + num_threads - 1) / (num_threads > 0 ? num_threads : 1);
     Py_ssize_t i = 0;
@@ -236,20 +253,7 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args) {
     }
 
     Py_BEGIN_ALLOW_THREADS
-    for (int t = 1; t < num_threads; t++) {
-        if (spans[t].begin < spans[t].end &&
-            pthread_create(&threads[t], NULL, copy_span, &spans[t]) == 0) {
-            started[t] = 1;
-        }
-    }
-    copy_span(&spans[0]);
-    for (int t = 1; t < num_threads; t++) {
-        if (started[t]) {
-            pthread_join(threads[t], NULL);
-        } else {
-            copy_span(&spans[t]); /* thread creation failed: do its share here */
-        }
-    }
+    run_spans(copy_span, spans, sizeof(Span), num_threads);
     Py_END_ALLOW_THREADS
 
     PyBuffer_Release(&dst);
@@ -294,25 +298,13 @@ static PyObject *copy_blocks_hashed(PyObject *self, PyObject *args) {
         if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
         if (num_threads > blocks) num_threads = (int)(blocks > 0 ? blocks : 1);
         BlockSpan spans[MAX_THREADS];
-        pthread_t threads[MAX_THREADS];
-        int started[MAX_THREADS] = {0};
         for (int t = 0; t < num_threads; t++) {
             spans[t] = (BlockSpan){(const int64_t *)dst.buf, (const int64_t *)src.buf,
                                    (const int64_t *)size.buf, (uint64_t *)hashes.buf, per_block,
                                    blocks * t / num_threads, blocks * (t + 1) / num_threads};
         }
         Py_BEGIN_ALLOW_THREADS
-        for (int t = 1; t < num_threads; t++) {
-            if (pthread_create(&threads[t], NULL, copy_hash_span, &spans[t]) == 0) started[t] = 1;
-        }
-        copy_hash_span(&spans[0]);
-        for (int t = 1; t < num_threads; t++) {
-            if (started[t]) {
-                pthread_join(threads[t], NULL);
-            } else {
-                copy_hash_span(&spans[t]);
-            }
-        }
+        run_spans(copy_hash_span, spans, sizeof(BlockSpan), num_threads);
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(blocks);
     }
@@ -360,8 +352,6 @@ static PyObject *copy_blocks_verified(PyObject *self, PyObject *args) {
         if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
         if (num_threads > blocks) num_threads = (int)(blocks > 0 ? blocks : 1);
         VerifySpan spans[MAX_THREADS];
-        pthread_t threads[MAX_THREADS];
-        int started[MAX_THREADS] = {0};
         for (int t = 0; t < num_threads; t++) {
             spans[t] = (VerifySpan){(const int64_t *)dst.buf,      (const int64_t *)src.buf,
                                     (const int64_t *)size.buf,     (const uint64_t *)expected.buf,
@@ -369,17 +359,7 @@ static PyObject *copy_blocks_verified(PyObject *self, PyObject *args) {
                                     blocks * t / num_threads,      blocks * (t + 1) / num_threads};
         }
         Py_BEGIN_ALLOW_THREADS
-        for (int t = 1; t < num_threads; t++) {
-            if (pthread_create(&threads[t], NULL, verify_copy_span, &spans[t]) == 0) started[t] = 1;
-        }
-        verify_copy_span(&spans[0]);
-        for (int t = 1; t < num_threads; t++) {
-            if (started[t]) {
-                pthread_join(threads[t], NULL);
-            } else {
-                verify_copy_span(&spans[t]);
-            }
-        }
+        run_spans(verify_copy_span, spans, sizeof(VerifySpan), num_threads);
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(blocks);
     }
