@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +205,50 @@ def test_only_registered_blocks_are_reachable(master) -> None:
             store.unregister_host_pool(pool)
     finally:
         store.close()
+
+
+def _run_python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_a_missing_libibverbs_is_named_with_its_package(tmp_path) -> None:
+    """The dynamic loader finds a broken libibverbs.so.1 first (LD_LIBRARY_PATH), as it would
+    find none on a machine without the package: the backend and the local master both say
+    which library is missing and what to install."""
+    broken = tmp_path / "lib"
+    broken.mkdir()
+    (broken / "libibverbs.so.1").write_bytes(b"not a library")
+    env = {**os.environ, "LD_LIBRARY_PATH": str(broken)}
+    backend = _run_python(
+        "from kvtier.storage.mooncake_setup import import_mooncake\n"
+        "from kvtier.errors import StorageError\n"
+        "try:\n    import_mooncake()\nexcept StorageError as e:\n    print(e)\n",
+        env,
+    )
+    assert "libibverbs" in backend.stdout and "apt-get install -y libibverbs1" in backend.stdout
+    master = _run_python(
+        "from kvtier.storage.mooncake_local import LocalMaster\n"
+        "from kvtier.errors import StorageError\n"
+        "try:\n    LocalMaster().start(timeout_s=20)\nexcept StorageError as e:\n    print(e)\n",
+        env,
+    )
+    assert "apt-get install -y libibverbs1" in master.stdout, master.stdout + master.stderr
+
+
+def test_mooncake_master_is_found_next_to_python_without_path() -> None:
+    """An unactivated virtual environment: its bin is not on PATH, yet `mooncake_master`
+    beside its Python is found and starts."""
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if not beside.is_file():
+        pytest.skip(f"mooncake_master is not installed beside {sys.executable}")
+    out = _run_python(
+        "from kvtier.storage.mooncake_local import LocalMaster, find_master_binary\n"
+        "print(find_master_binary())\n"
+        "with LocalMaster() as m:\n    print('started', m.master_address)\n",
+        {**os.environ, "PATH": "/nonexistent"},
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == str(beside) and lines[1].startswith("started 127.0.0.1:")
