@@ -26,10 +26,12 @@ import re
 import stat
 from enum import Enum
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtier.errors import DeviceCacheError, UnsafeFile
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +185,8 @@ def map_descriptor(fd: int, size_bytes: int) -> torch.Tensor:
     one filled would otherwise take a page fault per 4 KiB on its first copy into each block
     (measured: a 60 MiB load into a freshly attached cache ran at half speed).
     """
+    import torch
+
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mapping = mmap.mmap(fd, size_bytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapping, dtype=torch.uint8)

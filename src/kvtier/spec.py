@@ -10,12 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 import yaml
 
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CacheDType(str, Enum):
@@ -54,12 +56,14 @@ class KVLayout(str, Enum):
 
 SCALE_DTYPES = ("bfloat16", "float16", "float32")
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "uint8": torch.uint8,
-    "block_wise_fp8": torch.uint8,
+# (torch name, bytes per element). torch is imported only where tensors are made: the operator
+# tools (kvtier store, kvtier status) use specs and keys without it.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "float16": ("float16", 2),
+    "bfloat16": ("bfloat16", 2),
+    "float32": ("float32", 4),
+    "uint8": ("uint8", 1),
+    "block_wise_fp8": ("uint8", 1),
 }
 
 # Fields that decide the bytes of one page-first block. Block counts are left out on purpose:
@@ -184,9 +188,14 @@ class KVCacheSpec:
         return tuple(parts)
 
     def torch_dtype(self, part: Part) -> torch.dtype:
+        import torch
+
+        return getattr(torch, _DTYPES[self._dtype_name(part)][0])
+
+    def _dtype_name(self, part: Part) -> str:
         if part in (Part.KEY_SCALE, Part.VALUE_SCALE):
-            return _TORCH_DTYPES[self.scale_dtype]
-        return _TORCH_DTYPES[self.dtype.value]
+            return self.scale_dtype
+        return self.dtype.value
 
     def layer_num_blocks(self, layer: int) -> int:
         """Blocks in the device tensors of ``layer`` (extra layers may differ)."""
@@ -218,7 +227,7 @@ class KVCacheSpec:
             elements *= self.head_dim
         elif part is Part.KEY_VALUE:
             elements *= 2 * self.head_dim
-        return elements * self.torch_dtype(part).itemsize
+        return elements * _DTYPES[self._dtype_name(part)][1]
 
     @property
     def layer_block_bytes(self) -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.spec import KVCacheSpec
-from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
+
+if TYPE_CHECKING:
+    from kvtier.spec import KVCacheSpec
+    from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
 
 BACKENDS = ("file", "mooncake", "memory")
 
@@ -21,6 +23,18 @@ __all__ = [
     "validate_storage_config",
 ]
 MEMORY_OPTIONS = ("capacity_bytes",)
+# The backends (and torch, which they use) load on first use: `kvtier store` needs neither.
+_FROM_BASE = ("StorageBackend", "StorageStats", "StorageUsage")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BASE:
+        from kvtier.storage import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # Storage options every backend takes (see kvtier.storage.format, "Authenticated objects").
 MAC_KEY_FILE = "mac_key_file"
 MAC_KEY_ENV = "KVTIER_STORAGE_MAC_KEY"
