@@ -377,32 +377,39 @@ def report(args: argparse.Namespace) -> int:
 
 
 def plot(plt, rows: list[dict]) -> None:
-    """One panel per backend: each operation's GB/s (solid) and its raw limit (dashed, same
-    colour) against the object size."""
+    """A panel per backend (columns) and MAC setting (rows): each operation's GB/s (solid, one
+    colour per operation in every panel) and the raw limits it is measured against (dashed,
+    each distinct one drawn once) against the object size."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, backend in enumerate(backends):
-        ax = plt.subplot(1, len(backends), i + 1)
-        ops = list(
-            dict.fromkeys((r["op"], r.get("mac", "off")) for r in rows if r["backend"] == backend)
-        )
-        for colour, (op, mac) in zip(colours * 3, ops):
-            mine = sorted(
-                (
-                    r
-                    for r in rows
-                    if (r["backend"], r["op"], r.get("mac", "off")) == (backend, op, mac)
-                ),
-                key=lambda r: r["object_mib"],
-            )
-            x = [r["object_mib"] for r in mine]
-            label = op + (" +MAC" if mac == "on" else "")
-            ax.plot(x, [r["gbps"] for r in mine], "o-", color=colour, label=label)
-            ax.plot(x, [r["raw_gbps"] for r in mine], "--", color=colour, alpha=0.6)
-        sizes = sorted({r["object_mib"] for r in rows})
-        labels = [f"{s:g}" for s in sizes]
-        ylabel = "GB/s (dashed: raw limit)"
-        log2_axes(ax, sizes, labels, "object size (MiB)", ylabel, backend)
+    macs = list(dict.fromkeys(r.get("mac", "off") for r in rows))
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    colours = dict(zip(ops, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    sizes = sorted({r["object_mib"] for r in rows})
+    plt.gcf().set_size_inches(10, 1 + 4.5 * len(macs))
+    for row, mac in enumerate(macs):
+        for column, backend in enumerate(backends):
+            ax = plt.subplot(len(macs), len(backends), row * len(backends) + column + 1)
+            limits_drawn: set[tuple[float, ...]] = set()
+            for op in ops:
+                mine = sorted(
+                    (
+                        r
+                        for r in rows
+                        if (r["backend"], r["op"], r.get("mac", "off")) == (backend, op, mac)
+                    ),
+                    key=lambda r: r["object_mib"],
+                )
+                if not mine:
+                    continue
+                x = [r["object_mib"] for r in mine]
+                ax.plot(x, [r["gbps"] for r in mine], "o-", color=colours[op], label=op)
+                raw = tuple(r["raw_gbps"] for r in mine)
+                if raw not in limits_drawn:
+                    limits_drawn.add(raw)
+                    ax.plot(x, raw, "--", color=colours[op], alpha=0.6, label=f"limit of {op}")
+            title = backend + (f", MAC {mac}" if len(macs) > 1 else "")
+            labels = [f"{s:g}" for s in sizes]
+            log2_axes(ax, sizes, labels, "object size (MiB)", "GB/s", title)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
