@@ -30,10 +30,16 @@ COLUMNS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--n", type=int, default=3000, help="round trips per measurement")
+    p.add_argument(
+        "--transport",
+        choices=["ipc", "tcp"],
+        default="ipc",
+        help="ipc:// sockets (default) or tcp://127.0.0.1 with an instance secret",
+    )
     p.add_argument("--json", action="store_true")
 
 
-def _stats(what: str, ranks: int, samples: list[float]) -> dict:
+def _stats(what: str, ranks: int, samples: list[float], transport: str) -> dict:
     ordered = sorted(samples)
     return {
         "what": what,
@@ -42,19 +48,45 @@ def _stats(what: str, ranks: int, samples: list[float]) -> dict:
         "p50_us": statistics.median(ordered) * 1e6,
         "p99_us": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6,
         "mean_us": statistics.fmean(ordered) * 1e6,
+        "transport": transport,
     }
 
 
+def _transport_settings(transport: str, directory: str) -> dict:
+    """Worker settings for ``transport``: tcp:// on free loopback ports, with a secret."""
+    if transport == "ipc":
+        return {}
+    import os
+    import socket
+
+    from kvtier.auth import write_key
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key_file = os.path.join(directory, "secret")
+    write_key(key_file)
+    return {"endpoint": f"tcp://127.0.0.1:{port}", "auth_key_file": key_file}
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    import tempfile
     import time
 
     spec = KVCacheSpec(num_layers=8, num_blocks=64, num_kv_heads=8, block_size=16, head_dim=128)
     instance = f"lat{uuid.uuid4().hex[:8]}"
     caches = [DeviceCache.create(spec, cache_name(instance, r)) for r in range(args.ranks)]
+    secrets = tempfile.TemporaryDirectory(prefix="kvtier-bench-")
     try:
-        progress(f"launching {args.ranks} workers")
+        progress(f"launching {args.ranks} workers ({args.transport})")
+        settings = _transport_settings(args.transport, secrets.name)
         with Client.launch(
-            spec, args.ranks, {"backend": "memory"}, instance_id=instance, num_host_blocks=64
+            spec,
+            args.ranks,
+            {"backend": "memory"},
+            instance_id=instance,
+            num_host_blocks=64,
+            **settings,
         ) as client:
             swap, raw = [], []
             for i in range(args.n + 200):  # interleaved, the first 200 warm up
@@ -66,11 +98,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                     swap.append(took)
                     raw.append(ping)
     finally:
+        secrets.cleanup()
         for cache in caches:
             cache.close()
     rows = [
-        _stats("swap_out 1 block", args.ranks, swap),
-        _stats("raw zmq req-rep", args.ranks, raw),
+        _stats("swap_out 1 block", args.ranks, swap, args.transport),
+        _stats("raw zmq req-rep", args.ranks, raw, args.transport),
     ]
     rows[0]["overhead_p50_us"] = rows[0]["p50_us"] - rows[1]["p50_us"]
     rows[0]["block_bytes"] = spec.block_bytes
@@ -80,7 +113,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 def report(args: argparse.Namespace) -> int:
     rows = run(args)
     title = (
-        f"kvtier bench latency ({args.ranks} ranks, {args.n} round trips each, "
+        f"kvtier bench latency ({args.transport}, {args.ranks} ranks, {args.n} round trips each, "
         f"1 block = {rows[0]['block_bytes'] >> 10} KiB)"
     )
     emit(rows, args.json, title, COLUMNS)

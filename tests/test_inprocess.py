@@ -49,7 +49,7 @@ def test_gate_holds_in_order_and_refuses_by_state() -> None:
     assert ran == ["a"] and gate.held == 3
     assert gate.resume(ran.append) == 3 and ran == list("abcd")
     assert gate.in_flight == 4
-    gate.done(4)
+    gate.done(*"abcd")
     assert gate.wait_idle(0.1)
     gate.set_state(WorkerState.SLEEPING)
     assert gate.admit("e", ran.append) is Refusal.SLEEPING
@@ -249,8 +249,26 @@ def test_the_gate_bounds_what_it_queues() -> None:
     assert [gate.admit(i, ran.append) for i in range(4)] == [None, None, None, Refusal.FULL]
     assert gate.resume(ran.append) == 3 and ran == [0, 1, 2]
     assert gate.admit(9, ran.append) is Refusal.FULL  # three still running
-    gate.done(3)
+    gate.done(0, 1, 2)
     assert gate.admit(9, ran.append) is None
+
+
+def test_the_gate_bounds_each_clients_queued_ids() -> None:
+    """100,000 queued tasks of 2^20 ids each used to be accepted (4.1 GiB RSS): the ids one
+    client has admitted and not finished are bounded; other clients are unaffected."""
+    gate, ran = Gate(weigh=lambda item: item, max_ids_per_owner=100), []
+    gate.set_state(WorkerState.PAUSED)
+    assert gate.admit(("a", 60), ran.append) is None
+    assert gate.admit(("a", 41), ran.append) is Refusal.OWNER_FULL
+    assert gate.admit(("b", 100), ran.append) is None  # another client has its own budget
+    assert gate.queued_ids("a") == 60
+    assert gate.take_held() == [("a", 60), ("b", 100)]  # answered by the caller: released
+    assert gate.queued_ids("a") == 0
+    gate.set_state(WorkerState.RUNNING)
+    assert gate.admit(("a", 100), ran.append) is None
+    assert gate.admit(("a", 1), ran.append) is Refusal.OWNER_FULL
+    gate.done(("a", 100))
+    assert gate.admit(("a", 1), ran.append) is None
 
 
 def test_oversized_lists_are_refused_at_decode() -> None:
@@ -262,7 +280,7 @@ def test_oversized_lists_are_refused_at_decode() -> None:
             "host_block_ids": [],
         }
     )
-    with pytest.raises(msgspec.ValidationError, match="length <= 1048576"):
+    with pytest.raises(msgspec.ValidationError, match=f"length <= {t.MAX_IDS_PER_TASK}"):
         t.decode(big)
     assert t.peek_task_id(big) == 4  # answered with an error, not dropped
     with pytest.raises(msgspec.ValidationError, match="length <= 64"):

@@ -1,19 +1,27 @@
-"""The instance secret: who may talk to a worker over TCP.
+"""The instance secret: who may talk to a worker over TCP, and how both ends prove it.
 
 An ``ipc://`` endpoint lives in a private (0700) directory of the engine's user: the operating
-system lets no one else connect. A ``tcp://`` endpoint on loopback is open to every local user,
-so a worker serving one requires a secret: a file of this user, mode 0600, holding at least 16
-random bytes (hex). A client proves it knows the secret in its hello; a peer that does not gets
-every task refused and keeps nothing alive. ``Client.launch`` makes one per launch.
+system lets no one else connect. A ``tcp://`` endpoint on loopback is open to every local user
+(and a local user may bind the port first, or after a worker crashed), so a worker serving one
+requires a secret: a file of this user, mode 0600, holding at least 16 random bytes (hex).
+
+The secret never crosses the wire. Both ends derive two CURVE key pairs from it (keyed BLAKE3
+in key-derivation mode): the worker's, which the client pins as the server key, and the
+client's, the only one the worker's ZAP handler admits. ZeroMQ's CURVE handshake then proves
+each end to the other before a single application frame is exchanged: an impostor on the port
+cannot complete it (the client fails its start naming a possible impostor), a stranger without
+the secret gets no frame through, and captured bytes are useless (per-connection keys).
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 from pathlib import Path
+
+import blake3
 
 from kvtier.errors import ConfigError
 
@@ -54,6 +62,38 @@ def write_key(path: str | Path) -> bytes:
     return key
 
 
-def matches(expected: bytes | None, offered: bytes) -> bool:
-    """Constant-time; no secret configured accepts any hello (ipc:// in a private directory)."""
-    return expected is None or hmac.compare_digest(expected, offered)
+_SERVER_CONTEXT = "kvtier 2026-12 CURVE worker key"
+_CLIENT_CONTEXT = "kvtier 2026-12 CURVE client key"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The CURVE key pairs of one instance secret (Z85 text, as ZeroMQ takes them)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> CurveKeys:
+        import zmq
+
+        if not zmq.has("curve"):
+            raise ConfigError("auth_key_file", "this libzmq has no CURVE support")
+        server = _z85(blake3.blake3(secret, derive_key_context=_SERVER_CONTEXT).digest())
+        client = _z85(blake3.blake3(secret, derive_key_context=_CLIENT_CONTEXT).digest())
+        return cls(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+    @classmethod
+    def from_file(cls, path: str | Path, field: str = "auth_key_file") -> CurveKeys:
+        return cls.from_secret(read_key(path, field))
+
+    def __repr__(self) -> str:  # never print secret keys
+        return f"CurveKeys(server={self.server_public.decode()})"
+
+
+def _z85(key: bytes) -> bytes:
+    from zmq.utils import z85
+
+    return z85.encode(key)

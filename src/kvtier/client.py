@@ -29,10 +29,11 @@ from typing import Any
 import msgspec
 
 from kvtier import tasks as t
-from kvtier.auth import read_key
+from kvtier.auth import CurveKeys
 from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
 from kvtier.fanin import ControlAnswer, TaskFuture, aggregate
 from kvtier.launcher import Launch, end_worker, start_workers, worker_configs
+from kvtier.ranks import Rank
 from kvtier.spec import KVCacheSpec
 from kvtier.transport import client_transport
 
@@ -45,19 +46,6 @@ START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.05
 HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
-EXIT_GRACE_S = 0.2  # after a worker process exits, its last answers are still read this long
-
-
-@dataclass
-class _Rank:
-    position: int
-    endpoint: str
-    process: subprocess.Popen | None = None
-    last_heard: float = 0.0
-    welcomed: bool = False
-    lost: str = ""
-    exited_at: float = 0.0
-    last_hello: float = 0.0
 
 
 @dataclass
@@ -90,13 +78,19 @@ class Client:
         auth_key_file: str | None = None,
         observer: bool = False,  # `kvtier status`: stats only; never keeps a worker alive
     ) -> None:
-        self._auth = auth_key or (read_key(auth_key_file) if auth_key_file else b"")
+        self._curve = (
+            CurveKeys.from_secret(auth_key)
+            if auth_key
+            else CurveKeys.from_file(auth_key_file)
+            if auth_key_file
+            else None
+        )
         self._observer = observer
         self.task_timeout_s = task_timeout_s
         self.worker_timeout_s = worker_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         procs = list(processes) if processes is not None else [None] * len(endpoints)
-        self._ranks = [_Rank(i, e, process=p) for i, (e, p) in enumerate(zip(endpoints, procs))]
+        self._ranks = [Rank(i, e, process=p) for i, (e, p) in enumerate(zip(endpoints, procs))]
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
@@ -106,6 +100,7 @@ class Client:
         self._launch: Launch | None = None
         self._closing = False
         self._ping: tuple[threading.Event, set[int]] | None = None
+        self._ready = threading.Condition()  # notified when a rank is welcomed or lost
         self.client_id = uuid.uuid4().hex[:12]
 
     @property
@@ -165,6 +160,9 @@ class Client:
         """A client for workers ``kvtier.launcher.start_workers`` started (they may still be
         starting); it owns them from now on. On failure they are ended and the error carries
         each worker's last error line (and their log tails after the first line)."""
+        secret = launch.configs[0].auth_key_file
+        if secret and "auth_key" not in options:
+            options.setdefault("auth_key_file", secret)  # tcp:// workers: the same secret
         try:
             client = cls(launch.endpoints, processes=launch.processes, **options)
             client.start(start_timeout_s)
@@ -182,27 +180,30 @@ class Client:
 
     def start(self, start_timeout_s: float = START_TIMEOUT_S) -> Client:
         """Connect and wait for every rank's welcome (see the module docstring)."""
-        self.transport = client_transport([r.endpoint for r in self._ranks])
+        self.transport = client_transport([r.endpoint for r in self._ranks], self._curve)
         self.transport.open()
         self._thread = threading.Thread(target=self._loop, name="kvtier-client", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + start_timeout_s
-        while not all(r.welcomed for r in self._ranks):
-            failed = [r for r in self._ranks if r.lost]
-            if failed:
-                self._abort()
-                r = failed[0]
-                if "protocol" in r.lost or "authentication" in r.lost:
-                    raise ProtocolMismatch(f"rank {r.position}: {r.lost}")
+        with self._ready:
+            settled = self._ready.wait_for(
+                lambda: all(r.welcomed for r in self._ranks) or any(r.lost for r in self._ranks),
+                start_timeout_s,
+            )
+        failed = [r for r in self._ranks if r.lost]
+        if failed:
+            self._abort()
+            r = failed[0]
+            if r.lost_error is WorkerError:
                 raise WorkerError(f"rank {r.position} did not start: {r.lost}")
-            if time.monotonic() > deadline:
-                self._abort()
-                missing = [r.position for r in self._ranks if not r.welcomed]
-                raise WorkerError(
-                    f"ranks {missing} not ready after {start_timeout_s:.0f} s "
-                    "(start_timeout_s): still starting, or not running"
-                )
-            time.sleep(0.01)
+            raise r.lost_error(f"rank {r.position}: {r.lost}")
+        if not settled or time.monotonic() > deadline:
+            self._abort()
+            missing = [r.position for r in self._ranks if not r.welcomed]
+            raise WorkerError(
+                f"ranks {missing} not ready after {start_timeout_s:.0f} s "
+                "(start_timeout_s): still starting, or not running"
+            )
         log.info("client %s: %d ranks ready", self.client_id, self.world_size)
         return self
 
@@ -315,7 +316,6 @@ class Client:
                     t.Hello(
                         protocol_version=t.PROTOCOL_VERSION,
                         client_id=self.client_id,
-                        auth=self._auth,
                         observer=self._observer,
                     )
                 )
@@ -332,7 +332,7 @@ class Client:
                 if not r.lost:
                     self.transport.send(r.position, payload)
 
-    def _receive(self, r: _Rank, payload: bytes) -> None:
+    def _receive(self, r: Rank, payload: bytes) -> None:
         try:
             message = t.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -342,14 +342,16 @@ class Client:
         if isinstance(message, t.Result):
             self._on_result(r, message)
         elif isinstance(message, t.Welcome):
-            if message.accepted:
-                r.welcomed = True
-            else:
-                r.lost = message.message
+            with self._ready:
+                if message.accepted:
+                    r.welcomed = True
+                else:
+                    r.lost, r.lost_error = message.message, ProtocolMismatch
+                self._ready.notify_all()
         elif isinstance(message, t.Heartbeat):
             self._on_heartbeat(r)
 
-    def _on_heartbeat(self, r: _Rank) -> None:
+    def _on_heartbeat(self, r: Rank) -> None:
         ping = self._ping
         if ping is not None:
             event, waiting = ping
@@ -357,7 +359,7 @@ class Client:
             if not waiting:
                 event.set()
 
-    def _on_result(self, r: _Rank, result: t.Result) -> None:
+    def _on_result(self, r: Rank, result: t.Result) -> None:
         with self._lock:
             pending = self._pending.get(result.task_id)
             if pending is None:
@@ -372,20 +374,9 @@ class Client:
 
     def _check_health(self, now: float) -> None:
         for r in self._ranks:
-            if r.lost:
-                continue
-            code = r.process.poll() if r.process is not None else None
-            if code is not None:
-                # Its last answers may still be in flight: read them before giving up on it.
-                r.exited_at = r.exited_at or now
-                if now - r.exited_at >= EXIT_GRACE_S:
-                    self._lose(r, f"worker process exited with code {code}")
-            elif r.welcomed and now - r.last_heard > self.worker_timeout_s:
-                self._lose(
-                    r,
-                    f"no answer for {now - r.last_heard:.1f} s "
-                    f"(worker_timeout_s={self.worker_timeout_s})",
-                )
+            loss = r.check(now, self.transport.failed_handshakes(r.position), self.worker_timeout_s)
+            if loss is not None:
+                self._lose(r, *loss)
         with self._lock:
             expired = [p for p in self._pending.values() if now > p.deadline]
             for p in expired:
@@ -399,9 +390,11 @@ class Client:
                 )
             )
 
-    def _lose(self, r: _Rank, why: str) -> None:
+    def _lose(self, r: Rank, why: str, error: type[WorkerError] = WorkerError) -> None:
         """Mark a rank lost and fail every task that waits for it (also while closing)."""
-        r.lost = why
+        with self._ready:
+            r.lost, r.lost_error = why, error
+            self._ready.notify_all()
         if not r.welcomed:
             return  # start() reports it, with the worker's log
         if not self._closing:

@@ -18,7 +18,8 @@
     └── WorkerError            a worker could not be started, reached or used
         ├── WorkerLost         a worker died or stopped answering
         ├── TaskTimeout        a task was not answered in time
-        └── ProtocolMismatch   the worker speaks another protocol version
+        ├── ProtocolMismatch   the worker speaks another protocol version
+        └── PeerNotVerified    the peer on a tcp:// endpoint did not prove it is the worker
 """
 
 from __future__ import annotations
@@ -94,3 +95,8 @@ class TaskTimeout(WorkerError):
 
 class ProtocolMismatch(WorkerError):
     """The worker speaks another protocol version."""
+
+
+class PeerNotVerified(WorkerError):
+    """The peer listening on a ``tcp://`` endpoint did not prove that it holds the instance
+    secret (a worker started with another ``auth_key_file``, or an impostor on the port)."""

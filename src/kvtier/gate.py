@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
 from enum import Enum
 from typing import Any
 
@@ -24,11 +24,23 @@ class Refusal(str, Enum):
     SLEEPING = "worker is sleeping: wake it up first"
     STOPPING = "worker is shutting down"
     FULL = "worker queue is full: too many tasks waiting; retry later"
+    OWNER_FULL = (
+        "this client has too much work queued (block ids of tasks admitted and not finished): "
+        "wait for answers before sending more"
+    )
 
 
 # Tasks admitted and not finished, held ones included: a bound on a worker's memory whatever
 # a client sends (a well-behaved engine waits on far fewer).
 MAX_PENDING_TASKS = 100_000
+# Block ids (and hashes) of one client's tasks admitted and not finished: what a client can make
+# a worker hold in memory (~40-70 MiB of Python lists at this bound). An engine's step carries a
+# few thousand; a paused worker holding a whole batch of saves stays far below.
+MAX_QUEUED_IDS_PER_OWNER = 1 << 20
+
+
+def _unweighed(item: Any) -> tuple[Hashable, int]:
+    return None, 0
 
 
 class Gate:
@@ -38,14 +50,26 @@ class Gate:
     arrives after ``resume``: FIFO holds across a pause. Thread-safe.
     """
 
-    def __init__(self, max_pending: int = MAX_PENDING_TASKS) -> None:
+    def __init__(
+        self,
+        max_pending: int = MAX_PENDING_TASKS,
+        *,
+        weigh: Callable[[Any], tuple[Hashable, int]] = _unweighed,
+        max_ids_per_owner: int = MAX_QUEUED_IDS_PER_OWNER,
+    ) -> None:
+        """``weigh(item)`` names an item's owner (the peer) and its size in ids; each owner may
+        have at most ``max_ids_per_owner`` ids admitted and not yet ``done``."""
         self.max_pending = max_pending
+        self.max_ids_per_owner = max_ids_per_owner
+        self._weigh = weigh
         self._cond = threading.Condition()
         self.state = WorkerState.RUNNING
         self.in_flight = 0
         self._held: deque[Any] = deque()
+        self._queued_ids: Counter = Counter()  # owner -> ids admitted, not done
 
     def admit(self, item: Any, submit: Callable[[Any], None]) -> Refusal | None:
+        owner, ids = self._weigh(item)
         with self._cond:
             if self.state is WorkerState.STOPPING:
                 return Refusal.STOPPING
@@ -53,6 +77,9 @@ class Gate:
                 return Refusal.SLEEPING
             if self.in_flight + len(self._held) >= self.max_pending:
                 return Refusal.FULL
+            if ids and self._queued_ids[owner] + ids > self.max_ids_per_owner:
+                return Refusal.OWNER_FULL
+            self._queued_ids[owner] += ids
             if self.state in HOLDING_STATES:
                 self._held.append(item)
                 return None
@@ -60,10 +87,23 @@ class Gate:
             submit(item)
             return None
 
-    def done(self, count: int = 1) -> None:
+    def done(self, *items: Any) -> None:
+        """``items`` (admitted, submitted) have finished or were cancelled."""
         with self._cond:
-            self.in_flight -= count
+            self.in_flight -= len(items)
+            self._release(items)
             self._cond.notify_all()
+
+    def queued_ids(self, owner: Hashable) -> int:
+        with self._cond:
+            return self._queued_ids[owner]
+
+    def _release(self, items) -> None:
+        for item in items:
+            owner, ids = self._weigh(item)
+            self._queued_ids[owner] -= ids
+            if self._queued_ids[owner] <= 0:
+                del self._queued_ids[owner]
 
     def wait_idle(self, timeout_s: float) -> bool:
         with self._cond:
@@ -85,9 +125,11 @@ class Gate:
             return released
 
     def take_held(self) -> list[Any]:
+        """The held items, removed from the gate (the caller answers them)."""
         with self._cond:
             held = list(self._held)
             self._held.clear()
+            self._release(held)
             return held
 
     @property

@@ -107,6 +107,8 @@ def worker_configs(
         per_rank = dict(settings)
         if base_port is not None:  # each rank its own exporter: base + rank, or 0 for any
             per_rank["metrics_port"] = base_port + rank if base_port else 0
+        if str(settings.get("endpoint", "")).startswith("tcp://"):
+            per_rank["endpoint"] = _tcp_for_rank(settings["endpoint"], rank)
         configs.append(
             WorkerConfig.from_dict(
                 {
@@ -121,6 +123,16 @@ def worker_configs(
             )
         )
     return configs
+
+
+def _tcp_for_rank(endpoint: str, rank: int) -> str:
+    """Rank r of a ``tcp://HOST:PORT`` launch listens on PORT + r (as metrics ports do)."""
+    host, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        from kvtier.errors import ConfigError
+
+        raise ConfigError("endpoint", f"a tcp:// endpoint needs a port, got {endpoint!r}")
+    return f"{host}:{int(port) + rank}"
 
 
 def _environment(config: WorkerConfig) -> dict[str, str] | None:

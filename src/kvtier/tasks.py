@@ -17,10 +17,13 @@ from typing import Annotated, Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: tcp:// peers authenticate by CURVE; no secret in the hello
 # Bounds on what one message may carry; a message beyond them is refused before it is decoded.
-MAX_MESSAGE_BYTES = 64 << 20
-MAX_IDS_PER_TASK = 1 << 20
+# 65,536 blocks per task is 8 M tokens at 128-token blocks (any step of any engine); such a task
+# encodes to < 3 MiB (32-byte hashes). The message bound is also what a peer that has not yet
+# authenticated can make libzmq buffer per connection: keep it small.
+MAX_IDS_PER_TASK = 1 << 16
+MAX_MESSAGE_BYTES = 4 << 20
 MAX_TEXT_CHARS = 4096  # control arguments, messages, client ids
 
 BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_IDS_PER_TASK)]
@@ -135,7 +138,6 @@ class Control(_Message, tag="control", frozen=True, kw_only=True):
 class Hello(_Message, tag="hello", frozen=True, kw_only=True):
     protocol_version: int
     client_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
-    auth: Annotated[bytes, msgspec.Meta(max_length=256)] = b""  # the instance secret
     observer: bool = False  # a status tool: may ask for stats only, keeps nothing alive
 
 

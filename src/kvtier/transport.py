@@ -14,17 +14,29 @@ engines, with the same message flow and none of the sockets.
 Bounds: a ZeroMQ socket drops any message larger than ``MAX_MESSAGE_BYTES`` before it is read;
 high-water marks are raised deliberately (pipelining past the default 1000 made ROUTER drop
 replies silently in the design we replace) and both sides bound their windows far below them.
+
+Authentication (``tcp://``, see ``kvtier.auth``): given ``CurveKeys``, the worker's ROUTER is a
+CURVE server whose ZAP handler (served on the worker's loop thread) admits only the instance's
+client key, and each client DEALER pins the worker's server key. A peer that cannot complete
+the handshake exchanges no application frame with us; before it fails, it can make libzmq
+buffer at most one message of ``MAX_MESSAGE_BYTES``, for at most ``HANDSHAKE_IVL_MS``. The
+client counts failed handshakes per rank (``failed_handshakes``): a peer that answers on the
+port but cannot prove it holds the secret is a worker with another secret or an impostor.
 """
 
 from __future__ import annotations
 
+import hmac
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
+from kvtier.auth import CurveKeys
 from kvtier.config import LOCAL_SCHEME
 from kvtier.tasks import MAX_MESSAGE_BYTES
 
@@ -33,6 +45,11 @@ LINGER_MS = 1000
 # At close, answers already handed to ZeroMQ get this long to reach a peer that still listens;
 # a peer that is gone must not hold a stopping worker (Ctrl-C ends things in about a second).
 CLOSE_LINGER_MS = 200
+# A connection must finish its handshake within this (ZeroMQ's default is 30 s): a stranger
+# that stalls mid-handshake holds a connection and its buffer no longer than this. Generous
+# for a busy machine, where the worker's loop thread answers the ZAP request.
+HANDSHAKE_IVL_MS = 5000
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 Peer = bytes
 
@@ -80,23 +97,34 @@ class ClientTransport(ABC):
     def wake(self) -> None:
         """Any thread: make a pending or the next ``receive`` return at once."""
 
+    def failed_handshakes(self, rank: int) -> int:
+        """I/O thread only: handshakes with ``rank``'s endpoint that failed since the last one
+        that succeeded (a peer that cannot prove it is the worker). 0 without authentication."""
+        return 0
+
     @abstractmethod
     def close(self) -> None: ...
 
 
-def server_transport(endpoint: str) -> ServerTransport:
+def server_transport(
+    endpoint: str,
+    curve: CurveKeys | None = None,
+    on_refused: Callable[[str], None] | None = None,
+) -> ServerTransport:
+    """The transport for ``endpoint``; ``curve`` authenticates peers (``tcp://``), and
+    ``on_refused(address)`` hears of each peer whose handshake was refused."""
     if endpoint.startswith(LOCAL_SCHEME):
         return LocalServer(endpoint)
-    return ZmqServer(endpoint)
+    return ZmqServer(endpoint, curve, on_refused)
 
 
-def client_transport(endpoints: Sequence[str]) -> ClientTransport:
+def client_transport(endpoints: Sequence[str], curve: CurveKeys | None = None) -> ClientTransport:
     local = [e.startswith(LOCAL_SCHEME) for e in endpoints]
     if all(local):
         return LocalClient(endpoints)
     if any(local):
         raise ValueError("local:// endpoints cannot be mixed with socket endpoints")
-    return ZmqClient(endpoints)
+    return ZmqClient(endpoints, curve)
 
 
 # ---- ZeroMQ -----------------------------------------------------------------------------------
@@ -148,20 +176,74 @@ class ThreadLocalPush:
             self._sockets.clear()
 
 
+class ZapHandler:
+    """Admits exactly one CURVE client key: ZeroMQ's authentication protocol (RFC 27) served on
+    the socket owner's thread (``handle`` when the socket is readable). Owns its REP socket."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        client_public: bytes,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self.socket = context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(ZAP_ENDPOINT)
+        self._allowed = z85.decode(client_public)
+        self._on_refused = on_refused
+
+    def handle(self) -> None:
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request_id = frames[1] if len(frames) > 1 else b""
+            ok = (
+                len(frames) >= 7
+                and frames[5] == b"CURVE"
+                and hmac.compare_digest(frames[6], self._allowed)
+            )
+            status, text = (b"200", b"OK") if ok else (b"400", b"unknown client key")
+            self.socket.send_multipart([b"1.0", request_id, status, text, b"", b""])
+            if not ok and self._on_refused is not None:
+                address = frames[3] if len(frames) > 3 else b"?"
+                self._on_refused(address.decode("ascii", errors="replace"))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
 class ZmqServer(ServerTransport):
-    def __init__(self, endpoint: str) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        curve: CurveKeys | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
+        self._on_refused = on_refused
         self._loop_ident: int | None = None
+        self.zap: ZapHandler | None = None
 
     def open(self) -> None:
         from kvtier.errors import WorkerError
 
         self.context = zmq.Context()
         self.router = configure(self.context.socket(zmq.ROUTER))
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        if self.curve is not None:  # the ZAP handler must exist before the first connection
+            self.zap = ZapHandler(self.context, self.curve.client_public, self._on_refused)
+            self.router.setsockopt(zmq.CURVE_SERVER, 1)
+            self.router.setsockopt(zmq.CURVE_SECRETKEY, self.curve.server_secret)
+            self.router.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.server_public)
         try:
             self.router.bind(self.endpoint)
         except zmq.ZMQError as e:
             self.router.close(0)
+            if self.zap is not None:
+                self.zap.close()
             self.context.term()
             raise WorkerError(f"cannot bind {self.endpoint}: {e}") from None
         address = f"inproc://kvtier-answers-{id(self)}"
@@ -171,10 +253,14 @@ class ZmqServer(ServerTransport):
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.answers, zmq.POLLIN)
+        if self.zap is not None:
+            self.poller.register(self.zap.socket, zmq.POLLIN)
 
     def receive(self, timeout_s: float) -> list[tuple[Peer, bytes]]:
         self._loop_ident = threading.get_ident()
         events = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.zap is not None and self.zap.socket in events:
+            self.zap.handle()
         if self.answers in events:
             self._forward_answers()
         out = []
@@ -210,12 +296,57 @@ class ZmqServer(ServerTransport):
         self.push.close()
         self.answers.close(linger=0)
         self.router.close(linger=CLOSE_LINGER_MS)
+        if self.zap is not None:
+            self.zap.close()
         self.context.term()
 
 
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+class _HandshakeWatch:
+    """Counts one connection's failed handshakes from its monitor socket: a handshake-failed
+    event, or a disconnect before the handshake succeeded (a peer that closes on us)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self.failures = 0
+        self._connecting = False
+
+    def read(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                self._connecting = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connecting, self.failures = False, 0
+            elif event & _HANDSHAKE_FAILED or (
+                event == zmq.EVENT_DISCONNECTED and self._connecting
+            ):
+                self._connecting = False
+                self.failures += 1
+
+
 class ZmqClient(ClientTransport):
-    def __init__(self, endpoints: Sequence[str]) -> None:
+    def __init__(self, endpoints: Sequence[str], curve: CurveKeys | None = None) -> None:
         self.endpoints = list(endpoints)
+        self.curve = curve
+        self._watches: dict[int, _HandshakeWatch] = {}
 
     def open(self) -> None:
         self.context = zmq.Context()
@@ -226,12 +357,24 @@ class ZmqClient(ClientTransport):
         self.poller = zmq.Poller()
         self.poller.register(self._wake_pull, zmq.POLLIN)
         self.sockets = []
-        for endpoint in self.endpoints:
+        for rank, endpoint in enumerate(self.endpoints):
             sock = configure(self.context.socket(zmq.DEALER))
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            if self.curve is not None and endpoint.startswith("tcp://"):
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve.server_public)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.client_public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.client_secret)
+                watch = self._watches[rank] = _HandshakeWatch(sock)
+                self.poller.register(watch.monitor, zmq.POLLIN)
             sock.connect(endpoint)
             self.poller.register(sock, zmq.POLLIN)
             self.sockets.append(sock)
         self._rank_of = {sock: rank for rank, sock in enumerate(self.sockets)}
+        self._watch_of = {w.monitor: w for w in self._watches.values()}
+
+    def failed_handshakes(self, rank: int) -> int:
+        watch = self._watches.get(rank)
+        return watch.failures if watch is not None else 0
 
     def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
         events = dict(self.poller.poll(int(timeout_s * 1000)))
@@ -239,6 +382,9 @@ class ZmqClient(ClientTransport):
         for sock in events:
             if sock is self._wake_pull:
                 _drain(sock)
+                continue
+            if sock in self._watch_of:
+                self._watch_of[sock].read()
                 continue
             rank = self._rank_of[sock]
             while True:
@@ -256,6 +402,9 @@ class ZmqClient(ClientTransport):
 
     def close(self) -> None:
         self._wake_push.close()
+        for rank, watch in self._watches.items():
+            self.sockets[rank].disable_monitor()
+            watch.monitor.close(linger=0)
         for sock in self.sockets:
             sock.close(linger=0)
         self._wake_pull.close(linger=0)

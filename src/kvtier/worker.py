@@ -29,8 +29,9 @@ from typing import Any
 
 import msgspec
 
-from kvtier import auth, shm
+from kvtier import shm
 from kvtier import tasks as t
+from kvtier.auth import CurveKeys
 from kvtier.config import WorkerConfig
 from kvtier.control_plane import Answer, ControlPlane
 from kvtier.datapath import Outcome
@@ -38,6 +39,7 @@ from kvtier.endpoint import EndpointClaim
 from kvtier.errors import KvtierError
 from kvtier.gate import Gate, Refusal, WorkerState
 from kvtier.keys import KeyScheme
+from kvtier.peers import PeerTable
 from kvtier.resources import RankResources
 from kvtier.transport import Peer, server_transport
 from kvtier.worker_stats import TaskCounters
@@ -66,16 +68,14 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.rank = config.rank
-        self.gate = Gate()
+        self.gate = Gate(weigh=_weigh)
         self.exit_code: int | None = None
         self.counters = TaskCounters()
         self.metrics: Any = None
         self._stop = threading.Event()
         self._shutdown_request: tuple[Peer, int] | None = None
         self._last_heard = time.monotonic()
-        self._accepted: set[Peer] = set()
-        self._refused: set[Peer] = set()
-        self._observers: set[Peer] = set()  # accepted peers that may only ask for stats
+        self.peers = PeerTable(self.rank)
         self._pending: dict[Future, Item] = {}
         self._busy: Counter = Counter()  # per direction: submitted, not finished
         self._inline: list[Item] = []
@@ -90,7 +90,11 @@ class Worker:
     def start(self, background: bool = True) -> Worker:
         """Build the rank's resources and bind; with ``background`` run the loop thread."""
         cfg = self.config
-        self._auth_key = auth.read_key(cfg.auth_key_file) if cfg.auth_key_file else None
+        curve = (
+            CurveKeys.from_file(cfg.auth_key_file)
+            if cfg.auth_key_file and cfg.endpoint_address.startswith("tcp://")
+            else None
+        )
         shm.reclaim_orphans()
         self.claim = EndpointClaim(cfg.endpoint_address).acquire()
         self.resources = RankResources(cfg)
@@ -111,7 +115,7 @@ class Worker:
             stats=self.stats,
             rank=self.rank,
         )
-        self.transport = server_transport(cfg.endpoint_address)
+        self.transport = server_transport(cfg.endpoint_address, curve, self._handshake_refused)
         try:
             self.resources.open()
             self._start_metrics()
@@ -215,10 +219,10 @@ class Worker:
         if isinstance(message, t.Hello):
             self._hello(peer, message)
             return
-        if peer not in self._accepted:
+        if not self.peers.accepted(peer):
             self._unintroduced(peer, message)
             return
-        if peer in self._observers:
+        if self.peers.observer(peer):
             self._observe(peer, message)
             return
         self._last_heard = time.monotonic()
@@ -257,7 +261,7 @@ class Worker:
         task_id = getattr(message, "task_id", None)
         if task_id is None:
             return  # a heartbeat or a stray result: not answered, and no proof of life
-        refused = peer in self._refused
+        refused = self.peers.refused(peer)
         why = "this client's hello was refused" if refused else "say hello first"
         self._answer(
             peer, task_id, t.Status.ERROR, f"{why} (protocol version {t.PROTOCOL_VERSION})"
@@ -279,27 +283,9 @@ class Worker:
         self._answer(peer, task_id, t.Status.ERROR, f"malformed task: {str(error)[:200]}")
 
     def _hello(self, peer: Peer, hello: t.Hello) -> None:
-        authentic = auth.matches(self._auth_key, hello.auth)
-        accepted = authentic and hello.protocol_version == t.PROTOCOL_VERSION
-        message = ""
-        if accepted:
-            self._accepted.add(peer)
-            self._refused.discard(peer)
-            if hello.observer:
-                self._observers.add(peer)
-            else:
-                self._observers.discard(peer)
-                self._last_heard = time.monotonic()
-        else:
-            self._accepted.discard(peer)
-            self._refused.add(peer)
-            message = (
-                "authentication failed: this worker requires the instance secret"
-                if not authentic
-                else f"protocol version {hello.protocol_version} is not supported; this worker "
-                f"speaks {t.PROTOCOL_VERSION}: upgrade kvtier on both sides"
-            )
-            log.warning("rank %d: refused client %s: %s", self.rank, hello.client_id[:40], message)
+        accepted, message = self.peers.hello(peer, hello)
+        if accepted and not hello.observer:
+            self._last_heard = time.monotonic()
         welcome = t.Welcome(
             protocol_version=t.PROTOCOL_VERSION,
             rank=self.rank,
@@ -309,6 +295,13 @@ class Worker:
             pid=os.getpid(),
         )
         self.transport.send(peer, t.encode(welcome))
+
+    def _handshake_refused(self, address: str) -> None:
+        """A tcp:// peer without the instance's client key: refused before any frame."""
+        self.counters.error("unauthenticated", self.metrics)
+        self.peers.refusals.note(
+            f"a connection from {address}", "CURVE handshake without the instance's client key"
+        )
 
     # ---- data tasks -------------------------------------------------------------------------
 
@@ -361,7 +354,7 @@ class Worker:
         finally:
             with self._pending_lock:
                 self._busy[t.DIRECTIONS[type(task)]] -= 1
-            self.gate.done()
+            self.gate.done(item)
         seconds = time.perf_counter() - start
         kind = t.task_name(task)
         self.counters.task(kind, outcome.status.value, outcome.bytes_moved, seconds, self.metrics)
@@ -443,7 +436,7 @@ class Worker:
         for future, item in queued.items():
             if future.cancelled():
                 self._cancel_item(item, "worker shut down before the task ran")
-                self.gate.done()
+                self.gate.done(item)
         for executor in self.executors.values():
             executor.shutdown(wait=True)
         self.control.close()
@@ -467,6 +460,13 @@ class Worker:
             self.metrics = None
         self.resources.close()
         self.claim.release()
+
+
+def _weigh(item: Item) -> tuple[Peer, int]:
+    """A task's owner (its peer) and size: every block id and hash it carries."""
+    peer, task, _ = item
+    lists = (getattr(task, name) for name in task.__struct_fields__)
+    return peer, sum(len(value) for value in lists if isinstance(value, list))
 
 
 def _lower_priority() -> None:

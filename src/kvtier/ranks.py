@@ -1,0 +1,57 @@
+"""Rank: what a Client knows of one worker, and when it gives up on it (a typed loss)."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+
+from kvtier.errors import PeerNotVerified, WorkerError
+
+EXIT_GRACE_S = 0.2  # after a worker process exits, its last answers are still read this long
+# Failed CURVE handshakes with a rank not yet welcomed before its start fails: the peer on the
+# port answers but cannot prove it holds the secret. (ZeroMQ reconnects within 0.1 s; a worker
+# still starting refuses connections, which is no failed handshake.)
+HANDSHAKE_FAILURES_TO_FAIL = 3
+
+Loss = tuple[str, type[WorkerError]]  # why, and what Client.start raises for it
+
+
+@dataclass
+class Rank:
+    """One worker as its client sees it. Mutated by the client's I/O thread only; ``lost``
+    and ``welcomed`` are read under the client's ready condition."""
+
+    position: int
+    endpoint: str
+    process: subprocess.Popen | None = None
+    last_heard: float = 0.0
+    welcomed: bool = False
+    lost: str = ""
+    lost_error: type[WorkerError] = WorkerError
+    exited_at: float = 0.0
+    last_hello: float = 0.0
+
+    def check(self, now: float, failed_handshakes: int, worker_timeout_s: float) -> Loss | None:
+        """Why this rank is lost now, if it is: its process exited (after a grace period for
+        its last answers), its peer failed to authenticate, or it fell silent once welcomed."""
+        if self.lost:
+            return None
+        code = self.process.poll() if self.process is not None else None
+        if code is not None:
+            self.exited_at = self.exited_at or now
+            if now - self.exited_at >= EXIT_GRACE_S:
+                return f"worker process exited with code {code}", WorkerError
+        elif not self.welcomed and failed_handshakes >= HANDSHAKE_FAILURES_TO_FAIL:
+            return (
+                f"the peer on {self.endpoint} failed {failed_handshakes} CURVE handshakes: it "
+                "does not hold this instance's secret — a worker started with another "
+                "auth_key_file, or a possible impostor listening on the endpoint",
+                PeerNotVerified,
+            )
+        elif self.welcomed and now - self.last_heard > worker_timeout_s:
+            return (
+                f"no answer for {now - self.last_heard:.1f} s "
+                f"(worker_timeout_s={worker_timeout_s})",
+                WorkerError,
+            )
+        return None
