@@ -280,62 +280,6 @@ def test_the_mac_key_comes_from_a_private_file_or_the_environment(tmp_path, monk
 # ---- endpoints ----------------------------------------------------------------------------------
 
 
-def test_a_tcp_worker_answers_only_clients_that_know_the_secret(tmp_path) -> None:
-    """Any local user can reach tcp://127.0.0.1: without the instance secret a peer gets every
-    task refused (it used to be able to shut a worker down or overwrite device blocks)."""
-    import socket
-
-    import zmq
-
-    from kvtier import tasks as t
-    from kvtier.auth import write_key
-    from kvtier.client import Client
-    from kvtier.errors import ProtocolMismatch
-    from kvtier.worker import Worker
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
-    settings = dict(spec=SPEC, instance_id=f"tcp{uuid.uuid4().hex[:6]}", endpoint=endpoint)
-    with pytest.raises(ConfigError, match="auth_key_file"):
-        WorkerConfig(**settings)
-    key_file = tmp_path / "secret"
-    key = write_key(key_file)
-    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
-    config = WorkerConfig(
-        **settings,
-        auth_key_file=str(key_file),
-        device_cache_mode="create",
-        storage={"backend": "memory"},
-        num_host_blocks=4,
-        staging_blocks=1,
-    )
-    worker = Worker(config).start()
-    try:
-        with pytest.raises(ProtocolMismatch, match="authentication failed"):
-            Client.connect([endpoint], start_timeout_s=10, auth_key=b"x" * 32)
-        ctx = zmq.Context()
-        stranger = ctx.socket(zmq.DEALER)
-        stranger.connect(endpoint)
-        stranger.send(t.encode(t.Hello(protocol_version=t.PROTOCOL_VERSION, auth=b"guess")))
-        stranger.send(t.encode(t.Shutdown(task_id=9)))
-        stranger.send(t.encode(t.SwapIn(task_id=10, host_block_ids=[0], device_block_ids=[1])))
-        answers = []
-        while len(answers) < 3 and stranger.poll(5000):
-            answers.append(t.decode(stranger.recv()))
-        stranger.close(0)
-        ctx.term()
-        assert not answers[0].accepted
-        assert [a.status for a in answers[1:]] == [t.Status.ERROR, t.Status.ERROR]
-        assert "hello was refused" in answers[2].message
-        with Client.connect([endpoint], start_timeout_s=10, auth_key_file=str(key_file)) as c:
-            assert c.swap_out([1], [0]).status is t.Status.OK  # the worker is up and serving
-        assert key == bytes.fromhex(key_file.read_text())
-    finally:
-        worker.close()
-
-
 def test_the_metrics_exporter_bounds_its_connections() -> None:
     """One thread per connection, unbounded and without a timeout, used to let any local user
     pile up threads in a worker with idle connections."""

@@ -43,9 +43,9 @@ class Rank:
                 return f"worker process exited with code {code}", WorkerError
         elif not self.welcomed and failed_handshakes >= HANDSHAKE_FAILURES_TO_FAIL:
             return (
-                f"the peer on {self.endpoint} failed {failed_handshakes} CURVE handshakes: it "
-                "does not hold this instance's secret — a worker started with another "
-                "auth_key_file, or a possible impostor listening on the endpoint",
+                f"the peer on {self.endpoint} failed the CURVE handshake: it does not prove it "
+                "holds this instance's secret — a worker started with another auth_key_file, "
+                "or a possible impostor listening on the endpoint",
                 PeerNotVerified,
             )
         elif self.welcomed and now - self.last_heard > worker_timeout_s:

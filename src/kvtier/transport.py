@@ -316,9 +316,17 @@ _HANDSHAKE_FAILED = (
 )
 
 
+# A peer that does not speak CURVE, cannot open our HELLO (it lacks the worker's secret key) or
+# refuses our client key fails with one of these: never the worker of this secret. ZeroMQ does
+# not retry after them, so one is enough to tell.
+_DEFINITE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+DEFINITE = 1 << 20  # failures counted for one definite failure: above any threshold
+
+
 class _HandshakeWatch:
     """Counts one connection's failed handshakes from its monitor socket: a handshake-failed
-    event, or a disconnect before the handshake succeeded (a peer that closes on us)."""
+    event, or a disconnect before the handshake succeeded (a peer that closes on us). A
+    definite failure (protocol or authentication) counts as ``DEFINITE``."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
@@ -335,6 +343,9 @@ class _HandshakeWatch:
                 self._connecting = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connecting, self.failures = False, 0
+            elif event & _DEFINITE_FAILURES:
+                self._connecting = False
+                self.failures += DEFINITE
             elif event & _HANDSHAKE_FAILED or (
                 event == zmq.EVENT_DISCONNECTED and self._connecting
             ):
@@ -395,7 +406,10 @@ class ZmqClient(ClientTransport):
         return out
 
     def send(self, rank: int, payload: bytes) -> None:
-        self.sockets[rank].send(payload)
+        try:  # never block the I/O thread: a DEALER with no live connection would
+            self.sockets[rank].send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # like a lost datagram: a hello is resent, a task times out and is answered
 
     def wake(self) -> None:
         self._wake_push.send([b""])

@@ -7,9 +7,12 @@ On-disk layout under ``root``::
 
 A write goes to ``tmp/``, then ``rename()`` publishes it atomically: a crash at any point leaves
 either no object or the whole object, never a visible partial one. Temporary files of dead
-writers are removed at the next start. Reads go straight into the host block with ``preadv``
-(header into a small buffer, payload into the block: no extra copy) and check every header field
-and the payload checksum; a bad object is removed and reported as a miss.
+writers are removed at the next start. Below the root every file is reached through directory
+descriptors, never through a link (``file_dirs``): a member of a shared store who swaps a
+directory for a link cannot aim writes, reads or deletions outside the root. Reads go straight
+into the host block with ``preadv`` (header into a small buffer, payload into the block: no
+extra copy) and check every header field and the payload checksum; a bad object is removed and
+reported as a miss.
 
 Capacity: with ``capacity_bytes`` set, least-recently-used objects are removed once the total
 exceeds it. Recency is the file's mtime (bumped on every read), so the index rebuilt from the
@@ -49,20 +52,19 @@ from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy, Permissions
-from kvtier.storage.file_io import (
-    advance,
-    alive,
-    drop_page_cache,
-    fsync_dir,
-    real_directory,
-    zero,
+from kvtier.storage.file_dirs import (
+    FANOUT_DIRS,
+    OBJECT_SUFFIX,
+    TMP_NAME,
+    StoreDirs,
+    fanout_name,
+    set_mode,
 )
+from kvtier.storage.file_io import advance, alive, zero
 from kvtier.storage.format import HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
-OBJECT_SUFFIX = ".kvb"
-FANOUT_DIRS = 256
 RESCAN_INTERVAL_S = 5.0
 # A read refreshes an object's mtime (its LRU recency) only when it is older than this.
 RECENCY_GRANULARITY_S = 2.0
@@ -71,7 +73,9 @@ RECENCY_GRANULARITY_S = 2.0
 # 15 x 1 MiB read 1.7x faster on two threads than inline).
 PARALLEL_MIN_BYTES = 4 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 MAX_PID = 1 << 22  # Linux pid_max limit: a larger "pid" in a temp name is junk
+MAX_KEY_BYTES = 4096  # a storage key trailer is far shorter: a longer object is not ours
 
 
 class FileStore(StorageBackend):
@@ -89,8 +93,7 @@ class FileStore(StorageBackend):
             config = FileStoreConfig.from_dict(config or {})
         self.config = config
         self.root = config.root
-        self._objects_dir = self.root / "objects"
-        self._tmp_dir = self.root / "tmp"
+        self._dirs = StoreDirs(self.root, config.permissions.dir_mode)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # object file name -> bytes, LRU first
         self._used = 0
@@ -98,8 +101,9 @@ class FileStore(StorageBackend):
         self._tmp_counter = itertools.count()
         self._warned: set[tuple[str, int]] = set()
         try:
-            self._make_dirs()
+            self._dirs.open()
         except OSError as e:
+            self._dirs.close()
             raise StorageError(f"cannot create the file store in {self.root}: {e}") from e
         self._check_root_access()
         self._remove_dead_tmp_files()
@@ -144,31 +148,36 @@ class FileStore(StorageBackend):
         return results
 
     def delete(self, keys: Sequence[str]) -> int:
-        return sum(self._remove(self._path(key)) for key in keys)
+        return sum(self._remove(*self._name(key)) for key in keys)
 
     def usage(self) -> StorageUsage:
         with self._lock:
             return StorageUsage(self._used, len(self._index), self.config.capacity_bytes)
 
     def read_object(self, key: str) -> bytes | None:
-        fd = self._open_object(self._path(key))
+        fd = self._open_object(*self._name(key))
         if fd is None:
             return None
         try:
-            return os.pread(fd, os.fstat(fd).st_size, 0)
+            size = os.fstat(fd).st_size
+            if size > self.object_bytes + MAX_KEY_BYTES:  # a planted size is never allocated
+                raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes} + key")
+            return os.pread(fd, size, 0)
         finally:
             os.close(fd)
 
     def write_object(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = self._tmp_path()
-        fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        self._indexed(path.name, len(data))
+        fan, name = self._name(key)
+        tmp = self._tmp_name()
+        with self._dirs.tmp() as tmp_fd, self._dirs.fanout(fan) as fan_fd:
+            fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode, dir_fd=tmp_fd)
+            try:
+                set_mode(fd, self.config.permissions.file_mode)
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fan_fd)
+        self._indexed(name, len(data))
 
     def drop_page_cache(self, keys: Sequence[str]) -> None:
         """Ask the OS to drop these objects from the page cache (cold-read benchmarks).
@@ -176,22 +185,28 @@ class FileStore(StorageBackend):
         Only clean pages can be dropped: call ``os.sync()`` first after writing.
         """
         for key in keys:
-            drop_page_cache(self._path(key))
+            fd = self._open_object(*self._name(key))
+            if fd is not None:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._dirs.close()
 
     # ---- one object -------------------------------------------------------------------------
 
-    def _open_object(self, path: Path) -> int | None:
-        """A descriptor of the object at ``path``; None if there is none (or only junk: a
-        FIFO, a directory, a link — never followed, never waited on)."""
+    def _open_object(self, fan: str, name: str) -> int | None:
+        """A descriptor of the object ``objects/<fan>/<name>``; None if there is none (or only
+        junk: a FIFO, a directory, a link — never followed, never waited on)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with self._dirs.fanout(fan) as fan_fd:
+                fd = os.open(name, _OPEN_FLAGS, dir_fd=fan_fd)
         except FileNotFoundError:
             return None
-        except OSError as e:
-            self._warn_once("read", e)
+        except (OSError, StorageError) as e:
+            if not isinstance(e, OSError) or e.errno not in (errno.ELOOP, errno.ENXIO):
+                self._warn_once("read", e)
             return None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
@@ -200,8 +215,8 @@ class FileStore(StorageBackend):
 
     def _header_ok(self, key: str) -> bool:
         """Is a sound object stored under ``key`` (right size, every header field checked)?"""
-        path = self._path(key)
-        fd = self._open_object(path)
+        fan, name = self._name(key)
+        fd = self._open_object(fan, name)
         if fd is None:
             return False
         try:
@@ -209,7 +224,7 @@ class FileStore(StorageBackend):
             self._check_size(os.fstat(fd).st_size, header.key_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
-            self._remove(path)
+            self._remove(fan, name)
             return False
         except OSError as e:
             self._warn_once("read", e)
@@ -220,8 +235,8 @@ class FileStore(StorageBackend):
 
     def _get_one(self, index: int, key: str, target, checksums_out=None) -> bool:
         """Read one object into a host block (a tensor) or a list of buffers (scattered)."""
-        path = self._path(key)
-        fd = self._open_object(path)
+        fan, name = self._name(key)
+        fd = self._open_object(fan, name)
         if fd is None:
             return False
         header = bytearray(HEADER_BYTES)
@@ -246,7 +261,7 @@ class FileStore(StorageBackend):
                 self.format.check(header, views, key, self.payload_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
-            self._remove(path)
+            self._remove(fan, name)
             if not tensor:
                 zero(views)
             return False
@@ -256,50 +271,55 @@ class FileStore(StorageBackend):
         finally:
             os.close(fd)
         if self.config.capacity_bytes and time.time() - st.st_mtime > RECENCY_GRANULARITY_S:
-            try:  # LRU recency, visible to every process sharing the directory
-                os.utime(path)
-            except OSError:
-                pass
-        self._touch(path.name)
+            self._refresh(fan, name)
+        self._touch(name)
         return True
+
+    def _refresh(self, fan: str, name: str) -> None:
+        """LRU recency, visible to every process sharing the directory (the file's mtime)."""
+        try:
+            with self._dirs.fanout(fan) as fan_fd:
+                os.utime(name, dir_fd=fan_fd, follow_symlinks=False)
+        except (OSError, StorageError):
+            pass
 
     def _put_one(self, index: int, key: str, source, checksums=None) -> bool:
         """Store one object from a host block (a tensor) or a list of buffers (scattered)."""
-        path = self._path(key)
         if self._header_ok(key):
             return True  # immutable: the stored object stays (a corrupt one is replaced)
+        fan, name = self._name(key)
         tensor = isinstance(source, torch.Tensor)
         views = [memoryview(source.numpy())] if tensor else list(source)
         known = checksums[index] if checksums is not None else None
         header = self.format.header(key, views, known, trailer=True)
-        tmp = self._tmp_path()
+        tmp = self._tmp_name()
         try:
-            self._write_tmp(tmp, [header, *views, key.encode()])
-            try:
-                os.rename(tmp, path)
-            except FileNotFoundError:  # the fan-out directory went away: recreate, retry once
-                self._make_dirs()
-                os.rename(tmp, path)
-            if self.config.fsync is FsyncPolicy.FULL:
-                fsync_dir(path.parent)
-        except OSError as e:
+            with self._dirs.tmp() as tmp_fd:
+                try:
+                    self._write_tmp(tmp, tmp_fd, [header, *views, key.encode()])
+                    with self._dirs.fanout(fan) as fan_fd:
+                        os.rename(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fan_fd)
+                        if self.config.fsync is FsyncPolicy.FULL:
+                            os.fsync(fan_fd)
+                except BaseException:
+                    self._dirs.unlink(tmp, tmp_fd)
+                    raise
+        except (OSError, StorageError) as e:
             self._warn_once("write", e)
-            self._remove(tmp)
             return False
-        self._indexed(path.name, self.object_bytes + len(key.encode()))
+        self._indexed(name, self.object_bytes + len(key.encode()))
         return True
 
     def _check_size(self, size: int, key_bytes: int) -> None:
         if size != self.object_bytes + key_bytes:
             raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes + key_bytes}")
 
-    def _write_tmp(self, tmp: Path, buffers: list) -> None:
+    def _write_tmp(self, tmp: str, tmp_fd: int, buffers: list) -> None:
+        mode = self.config.permissions.file_mode
+        fd = os.open(tmp, _CREATE_FLAGS, mode, dir_fd=tmp_fd)
         try:
-            fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
-        except FileNotFoundError:  # the store directory was removed: recreate it
-            self._make_dirs()
-            fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode)
-        try:
+            if mode & ~0o600:  # group stores: 0660 whatever the umask
+                os.fchmod(fd, mode)
             written, total = 0, sum(memoryview(b).nbytes for b in buffers)
             while written < total:
                 n = os.pwritev(fd, buffers, written)
@@ -338,7 +358,7 @@ class FileStore(StorageBackend):
                 self._used -= size
                 victims.append(name)
         for name in victims:
-            self._remove(self._objects_dir / name[:2] / name)
+            self._remove(name[:2], name)
         if victims:
             self.stats.add(evictions=len(victims))
             log.info("file store: evicted %d least-recently-used objects", len(victims))
@@ -348,16 +368,9 @@ class FileStore(StorageBackend):
         found = []
         for i in range(FANOUT_DIRS):
             try:
-                entries = list(os.scandir(self._objects_dir / f"{i:02x}"))
-            except OSError:
+                found += self._dirs.scan_fanout(fanout_name(i))
+            except (OSError, StorageError):
                 continue
-            for entry in entries:
-                if entry.name.endswith(OBJECT_SUFFIX) and entry.is_file(follow_symlinks=False):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    found.append((st.st_mtime_ns, entry.name, st.st_size))
         found.sort()
         with self._lock:
             self._index = OrderedDict((name, size) for _, name, size in found)
@@ -366,24 +379,19 @@ class FileStore(StorageBackend):
 
     # ---- paths and housekeeping -------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
+    def _name(self, key: str) -> tuple[str, str]:
+        """(fan-out directory, file name) of ``key``'s object."""
         digest = hashlib.sha256(key.encode()).hexdigest()
-        return self._objects_dir / digest[:2] / (digest + OBJECT_SUFFIX)
+        return digest[:2], digest + OBJECT_SUFFIX
 
-    def _tmp_path(self) -> Path:
-        return (
-            self._tmp_dir / f"{os.getpid()}-{threading.get_ident()}-{next(self._tmp_counter)}.tmp"
-        )
+    def _path(self, key: str) -> Path:
+        """Where ``key``'s object is (for tools and tests: the store itself never opens it by
+        this path)."""
+        fan, name = self._name(key)
+        return self.root / "objects" / fan / name
 
-    def _make_dirs(self) -> None:
-        """The store's directories, each a real directory (junk at those names is replaced:
-        a link there would send writes and evictions outside the root)."""
-        mode = self.config.permissions.dir_mode
-        self.root.mkdir(mode=mode, parents=True, exist_ok=True)
-        for path in (self._objects_dir, self._tmp_dir):
-            real_directory(path, mode)
-        for i in range(FANOUT_DIRS):
-            real_directory(self._objects_dir / f"{i:02x}", mode)
+    def _tmp_name(self) -> str:
+        return f"{os.getpid()}-{threading.get_ident()}-{next(self._tmp_counter)}.tmp"
 
     def _check_root_access(self) -> None:
         st = os.stat(self.root)
@@ -396,40 +404,39 @@ class FileStore(StorageBackend):
             )
 
     def _remove_dead_tmp_files(self) -> None:
+        """Temporary files of writers that died; any other name in ``tmp/`` is left alone."""
         try:
-            entries = list(os.scandir(self._tmp_dir))
-        except OSError:
-            return
-        for entry in entries:
-            head = entry.name.split("-", 1)[0]
-            pid = int(head) if head.isdigit() and len(head) < 10 else 0
-            if 0 < pid < MAX_PID and alive(pid):
-                continue
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    continue  # not ours to delete: tolerated, never followed
-            except OSError:
-                continue
-            self._remove(Path(entry.path))
-            log.info("file store: removed %s left by a writer that died", entry.name)
+            with self._dirs.tmp() as tmp_fd:
+                for entry in list(os.scandir(tmp_fd)):
+                    match = TMP_NAME.fullmatch(entry.name)
+                    if match is None:
+                        continue
+                    pid = int(match.group(1))
+                    if 0 < pid < MAX_PID and alive(pid):
+                        continue
+                    if not entry.is_file(follow_symlinks=False):
+                        continue  # not ours to delete: tolerated, never followed
+                    if self._dirs.unlink(entry.name, tmp_fd):
+                        log.info("file store: removed %s left by a writer that died", entry.name)
+        except (OSError, StorageError) as e:
+            self._warn_once("clean tmp", e)
 
-    def _remove(self, path: Path) -> bool:
+    def _remove(self, fan: str, name: str) -> bool:
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        except OSError as e:
+            with self._dirs.fanout(fan) as fan_fd:
+                removed = self._dirs.unlink(name, fan_fd)
+        except (OSError, StorageError) as e:
             self._warn_once("remove", e)
             return False
-        if path.suffix == OBJECT_SUFFIX:
+        if removed:
             with self._lock:
-                size = self._index.pop(path.name, None)
+                size = self._index.pop(name, None)
                 self._used -= size or 0
-        return True
+        return removed
 
-    def _warn_once(self, what: str, error: OSError) -> None:
+    def _warn_once(self, what: str, error: Exception) -> None:
         """One log line per (operation, errno): a full disk must not flood the log."""
-        token = (what, error.errno or 0)
+        token = (what, getattr(error, "errno", None) or 0)
         if token not in self._warned:
             self._warned.add(token)
             log.warning(

@@ -1,0 +1,179 @@
+"""StoreDirs: a file store's directories, reached only through descriptors from its root.
+
+A store shared on purpose (``permissions: group``) is writable by every member of its group,
+and any of them can swap a directory under the root for a symbolic link at any moment. So
+below the root nothing is ever opened by path: every operation walks from the root's
+descriptor, one component at a time, with ``O_NOFOLLOW | O_DIRECTORY``, and then opens, renames
+or unlinks a *name* relative to the directory it reached. A link found where a directory
+should be is removed and replaced (never followed); the root itself is the operator's setting
+and is trusted as given. Only names the store itself creates are ever unlinked
+(``OBJECT_NAME``, ``TMP_NAME``).
+
+Modes are set explicitly with ``fchmod`` on what this user owns, whatever the umask: under the
+usual 022 a group store used to get 2750 directories and 0640 files, so other members could
+not write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvtier.errors import StorageError
+
+log = logging.getLogger("kvtier.storage.file")
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+OBJECTS, TMP = "objects", "tmp"
+FANOUT_DIRS = 256
+OBJECT_SUFFIX = ".kvb"
+OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
+TMP_NAME = re.compile(r"(\d{1,10})-(\d{1,24})-(\d{1,20})\.tmp")
+REPLACE_ATTEMPTS = 3
+
+
+def fanout_name(i: int) -> str:
+    return f"{i:02x}"
+
+
+def set_mode(fd: int, mode: int) -> None:
+    """``mode`` on the file or directory ``fd`` if this user owns it (the umask never applies)."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
+
+
+def real_directory(name: str, dir_fd: int, mode: int) -> int:
+    """A descriptor of the directory ``name`` inside ``dir_fd``, made if missing. Whatever else
+    is found at that name (a link, a file, a FIFO) is unlinked first and never followed.
+    Several processes may do this at once (ranks sharing a store)."""
+    for _ in range(REPLACE_ATTEMPTS):
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            try:
+                os.mkdir(name, mode, dir_fd=dir_fd)
+            except FileExistsError:
+                pass  # another process made it: open what is there
+            continue
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            log.warning("file store: replacing %r (not a directory) with a directory", name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
+            continue
+        try:
+            set_mode(fd, mode)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    raise StorageError(f"cannot make {name!r} a directory: something keeps replacing it")
+
+
+class StoreDirs:
+    """The root, ``objects/<2 hex>/`` and ``tmp/`` of one store. Thread-safe: every call
+    opens what it needs and closes it; only the root's descriptor is kept (``open``/``close``).
+    """
+
+    def __init__(self, root: Path, dir_mode: int) -> None:
+        self.root = root
+        self.dir_mode = dir_mode
+        self.root_fd: int | None = None
+        self._lock = threading.Lock()  # replacing root_fd (the root was removed)
+
+    def open(self) -> StoreDirs:
+        """Create what is missing (root included) and check every directory once."""
+        self._open_root()
+        assert self.root_fd is not None
+        os.close(real_directory(TMP, self.root_fd, self.dir_mode))
+        objects = real_directory(OBJECTS, self.root_fd, self.dir_mode)
+        try:
+            for i in range(FANOUT_DIRS):
+                os.close(real_directory(fanout_name(i), objects, self.dir_mode))
+        finally:
+            os.close(objects)
+        return self
+
+    def _open_root(self) -> None:
+        created = not self.root.exists()
+        self.root.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if created:
+            set_mode(fd, self.dir_mode)
+        old, self.root_fd = self.root_fd, fd
+        if old is not None:
+            os.close(old)
+
+    def _below_root(self, name: str) -> int:
+        """``real_directory(name)`` in the root; a root that was removed (rm -rf by an
+        operator) is made again, once."""
+        assert self.root_fd is not None, "StoreDirs.open() first"
+        root_fd = self.root_fd
+        try:
+            return real_directory(name, root_fd, self.dir_mode)
+        except FileNotFoundError:  # mkdir inside a deleted directory
+            with self._lock:
+                if self.root_fd == root_fd:
+                    self._open_root()
+            return real_directory(name, self.root_fd, self.dir_mode)
+
+    def close(self) -> None:
+        if self.root_fd is not None:
+            os.close(self.root_fd)
+            self.root_fd = None
+
+    @contextlib.contextmanager
+    def fanout(self, name: str) -> Iterator[int]:
+        """The descriptor of ``objects/<name>`` (made again if it went away or was swapped)."""
+        objects = self._below_root(OBJECTS)
+        try:
+            fd = real_directory(name, objects, self.dir_mode)
+        finally:
+            os.close(objects)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def tmp(self) -> Iterator[int]:
+        fd = self._below_root(TMP)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def unlink(self, name: str, dir_fd: int) -> bool:
+        """Unlink ``name`` (an object or temporary name of the store, nothing else) in
+        ``dir_fd``. False if it was already gone."""
+        if not (OBJECT_NAME.fullmatch(name) or TMP_NAME.fullmatch(name)):
+            raise StorageError(f"refusing to remove {name!r}: not a name this store creates")
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def scan_fanout(self, name: str) -> list[tuple[int, str, int]]:
+        """(mtime_ns, name, size) of every regular object file in ``objects/<name>``."""
+        found = []
+        with self.fanout(name) as fd:
+            for entry in os.scandir(fd):
+                if not OBJECT_NAME.fullmatch(entry.name):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+        return found
