@@ -179,3 +179,51 @@ def test_an_observer_gets_stats_only_and_keeps_no_worker_alive(tmp_path) -> None
         assert 2.5 <= time.monotonic() - start < 15
     finally:
         proc.kill()
+
+
+def _plant_size(path, payload_length: int) -> None:
+    """Rewrite the object at ``path`` as a sparse file whose (self-consistent) header claims
+    ``payload_length`` payload bytes: a few KiB on disk."""
+    import xxhash
+
+    from kvtier.storage import format as fmt
+
+    data = path.read_bytes()
+    fields = list(fmt._BODY.unpack_from(data))
+    fields[5] = payload_length
+    body = fmt._BODY.pack(*fields)
+    key = data[-fields[7] :]
+    with open(path, "wb") as f:
+        f.write(body + fmt._CHECK.pack(xxhash.xxh3_64_intdigest(body)))
+        f.truncate(fmt.HEADER_BYTES + payload_length)
+        f.seek(0, os.SEEK_END)
+        f.write(key)
+
+
+def test_store_verify_never_allocates_what_a_planted_header_claims(store_root) -> None:
+    """A sparse 8 KiB file claiming a multi-GiB payload made `verify` allocate it (3 GiB RSS;
+    a MemoryError traceback under a memory limit)."""
+    import resource
+
+    root, keys, corrupt = store_root
+    with FileStore(CONTRACT_SPEC, {"root": root}) as store:
+        huge = store._path(keys[("llama", "RL-STEP1")][0])
+        large = store._path(keys[("llama", "RL-STEP2")][0])
+    _plant_size(huge, 3 << 30)
+    _plant_size(large, 900 << 20)  # under the absolute bound: its layout gives it away
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "store", "verify", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    summary = json_lines(out)[-1]
+    problems = {p["path"]: p["problem"] for p in summary["problems"]}
+    assert "claims" in problems[str(huge)] and "claims" in problems[str(large)]
+    assert str(corrupt) in problems and summary["corrupt"] == 3

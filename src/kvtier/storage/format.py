@@ -139,16 +139,24 @@ class ObjectFormat:
         return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
     def _mac(self, body: bytes, key: str, payload: Sequence) -> bytes:
+        state = self.mac_state(body, key)
+        for view in payload:
+            state.update(view)
+        return state.digest(length=MAC_BYTES)
+
+    def mac_state(self, header, key: str):
+        """A BLAKE3 state over the MAC's header and key parts: feed it the payload, in order,
+        then compare ``state.digest(length=MAC_BYTES)`` with header bytes 16..31 (a payload
+        checked in pieces, never held whole)."""
         assert self._blake3_key is not None
+        body = bytes(header[:56])
         state = blake3.blake3(key=self._blake3_key)
         state.update(body[:16])
         state.update(body[32:56])
         encoded = key.encode()
         state.update(_KEY_LENGTH.pack(len(encoded)))
         state.update(encoded)
-        for view in payload:
-            state.update(view)
-        return state.digest(length=MAC_BYTES)
+        return state
 
     # ---- reading ----------------------------------------------------------------------------
 
