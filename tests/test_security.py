@@ -311,3 +311,48 @@ def test_the_metrics_exporter_bounds_its_connections() -> None:
         for sock in idle:
             sock.close()
         metrics.close()
+
+
+def test_trickling_peers_cannot_blind_the_metrics_exporter() -> None:
+    """8 connections trickling a byte every few seconds held every slot (each byte reset the
+    read timeout) and every scrape failed: now a request must arrive whole within a deadline."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from kvtier.metrics import MAX_CONNECTIONS, REQUEST_DEADLINE_S, WorkerMetrics
+
+    metrics = WorkerMetrics(0, lambda: {"storage": {}, "queue_depths": {}, "state": "running"})
+    port = metrics.serve(0)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port)) as s:
+                    for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n":
+                        if stop.wait(1.0):
+                            return
+                        s.send(bytes([byte]))
+            except OSError:
+                continue
+
+    threads = [threading.Thread(target=trickle) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # every slot is taken by a trickler now
+        start, served = time.monotonic(), None
+        while served is None and time.monotonic() - start < 4 * REQUEST_DEADLINE_S:
+            try:
+                served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1)
+            except OSError:
+                time.sleep(0.2)
+        assert served is not None, "no scrape got through while peers trickled"
+        assert b"kvtier_worker_state" in served.read()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        metrics.close()

@@ -14,7 +14,9 @@ Stable names (every series carries ``rank``):
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -49,7 +51,11 @@ SECONDS_BUCKETS = (
 )
 STATES = ("running", "paused", "sleeping", "waking", "stopping")
 MAX_CONNECTIONS = 8
-CONNECTION_TIMEOUT_S = 5.0
+CONNECTION_TIMEOUT_S = 5.0  # one read or write on a connection
+# The request line and headers must arrive within this, however the peer paces its bytes: a
+# peer trickling a byte every few seconds used to hold a slot forever (8 of them blinded every
+# scrape). A scraper sends its request in one packet.
+REQUEST_DEADLINE_S = 2.0
 
 
 class WorkerMetrics:
@@ -106,16 +112,52 @@ class WorkerMetrics:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """Serves ``/metrics`` with at most ``MAX_CONNECTIONS`` handlers at once, each connection
-    bounded by ``CONNECTION_TIMEOUT_S``: idle or slow peers cannot pile up threads (the stock
-    exporter starts one thread per connection, unbounded and without a timeout)."""
+    """Serves ``/metrics`` with at most ``MAX_CONNECTIONS`` handlers at once, each read bounded
+    by ``CONNECTION_TIMEOUT_S`` and each request by ``REQUEST_DEADLINE_S``: idle or slow peers
+    cannot pile up threads or hold the slots (the stock exporter starts one thread per
+    connection, unbounded and without a timeout)."""
 
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
         self.registry = registry
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._deadlines: dict[socket.socket, float] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
         super().__init__(address, _MetricsHandler)
+        self._watchdog = threading.Thread(
+            target=self._expire, name="kvtier-metrics-deadlines", daemon=True
+        )
+        self._watchdog.start()
+
+    def watch(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines[conn] = time.monotonic() + REQUEST_DEADLINE_S
+
+    def unwatch(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(conn, None)
+
+    def _expire(self) -> None:
+        """One thread for every connection: a request not in by its deadline is cut off (its
+        handler's blocked read returns, the slot is freed)."""
+        while not self._stopped.wait(REQUEST_DEADLINE_S / 8):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, deadline in self._deadlines.items() if deadline < now]
+                for conn in late:
+                    del self._deadlines[conn]
+            for conn in late:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def server_close(self) -> None:
+        self._stopped.set()
+        self._watchdog.join()
+        super().server_close()
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
@@ -138,7 +180,16 @@ class _BoundedServer(ThreadingHTTPServer):
 class _MetricsHandler(BaseHTTPRequestHandler):
     server: _BoundedServer
 
+    def setup(self) -> None:
+        super().setup()
+        self.server.watch(self.connection)
+
+    def finish(self) -> None:
+        self.server.unwatch(self.connection)
+        super().finish()
+
     def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        self.server.unwatch(self.connection)  # the request is in: the answer is ours to send
         if self.path.split("?")[0] not in ("/metrics", "/"):
             self.send_error(404, "only /metrics is served here")
             return
