@@ -65,11 +65,34 @@ def test_store_stats_counts_every_group(store_root) -> None:
         ("llama", "RL-STEP1"): (3, "1"),
         ("llama", "RL-STEP2"): (2, "0"),
         ("qwen", "RL-STEP1"): (4, "0"),  # the corrupt payload is invisible to a header scan
-        ("qwen", '""'): (1, "0"),
+        ("qwen", ""): (1, "0"),  # JSON carries the empty version as it is
     }
     assert rows[-1] == {"total_objects": 10, "bad_headers": 0, "foreign": 1}
     text = kvtier("store", "stats", str(root)).stdout
     assert "10 objects" in text and "llama" in text and "1 foreign entry" in text
+    assert '""' in text  # the table shows it
+
+
+def test_stored_text_never_drives_the_operators_terminal(tmp_path) -> None:
+    """A store writer named a namespace with terminal escapes: `kvtier store stats` cleared the
+    operator's screen and printed a fake "store healthy" line."""
+    from kvtier.table import printable
+
+    root = tmp_path / "store"
+    evil = "x\x1b[2J\x1b[H\rstore healthy\u202e"
+    scheme = KeyScheme("ns", CONTRACT_SPEC.fingerprint, 0, "v1")
+    keys = scheme.keys(block_hashes(np.arange(CONTRACT_SPEC.block_size), CONTRACT_SPEC.block_size))
+    fields = keys[0].split(":")  # a writer of the store bypasses KeyScheme's checks
+    fields[1], fields[2] = evil, "v\x07"
+    keys = [":".join(fields)]
+    with FileStore(CONTRACT_SPEC, {"root": root}) as store, HostPool(CONTRACT_SPEC, 1) as pool:
+        assert store.put_from(keys, [pool.block(0)]) == [True]
+    out = kvtier("store", "stats", str(root))
+    assert out.returncode == 0, out.stderr
+    assert not any(c in out.stdout for c in "\x1b\r\x07\u202e")
+    assert "\\x1b[2J" in out.stdout and "\\u202e" in out.stdout  # shown, escaped
+    assert json_lines(kvtier("store", "stats", str(root), "--json"))[0]["namespace"] == evil
+    assert printable("a\nb\x9bc", keep_newlines=True) == "a\nb\\x9bc"
 
 
 def test_store_verify_finds_exactly_the_corrupt_object_and_repair_removes_only_it(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.table import printable
 
 WRITE_POLICIES = ("write_through", "write_back")
 BENCHES = {
@@ -300,7 +301,8 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
     try:
         return func(args)
     except KvtierError as e:
-        first, _, details = str(e).partition("\n")
+        # Errors may quote workers' logs and stored data: never raw to the terminal.
+        first, _, details = printable(str(e), keep_newlines=True).partition("\n")
         print(f"kvtier: error: {first}", file=sys.stderr)  # one line; details at -v
         if details and args.verbose:
             print(details, file=sys.stderr)

@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.table import age, parse_duration, parse_size, print_table, size
+from kvtier.table import age, parse_duration, parse_size, print_table, printable, size
 
 
 def add_store(sub, common: argparse.ArgumentParser) -> None:
@@ -107,7 +107,7 @@ def _stats(args: argparse.Namespace) -> int:
         rows.append(
             {
                 "namespace": namespace,
-                "version": version or '""',
+                "version": version,
                 "fingerprint": fingerprint,
                 "ranks": _ranks(ranks),
                 "objects": len(members),
@@ -133,6 +133,9 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
     count, total = sum(r["objects"] for r in rows), sum(r["bytes"] for r in rows)
     print(f"kvtier store stats {args.root}: {count:,} objects, {size(total)}")
+    for row in rows:  # the table shows the empty version as "" (JSON carries the value)
+        row["version"] = row["version"] or '""'
+
     print_table(rows, STATS_COLUMNS)
     if bad or foreign:
         print(
@@ -187,7 +190,8 @@ def _verify(args: argparse.Namespace) -> int:
         )
         for o in (corrupt + foreign)[:20]:
             kind = "foreign" if o.foreign else "corrupt"
-            print(f"  {kind}: {o.path.relative_to(args.root)}: {o.problem}")
+            where = printable(str(o.path.relative_to(args.root)))
+            print(f"  {kind}: {where}: {printable(o.problem or '')}")
         if len(corrupt) + len(foreign) > 20:
             print(f"  ... and {len(corrupt) + len(foreign) - 20} more (--json lists all)")
         if corrupt and not args.repair:

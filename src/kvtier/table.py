@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 Column = tuple[str, str, str]  # (row key, heading, format spec)
 
+# C0 and C1 controls (ESC, CR, BS, ...) and the Unicode direction overrides: text from a store,
+# a worker or a log must never move the cursor, clear the screen or reorder what is shown.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """``text`` with every control character written as an escape (``\x1b``, ``\u202e``)."""
+
+    def escape(match: re.Match) -> str:
+        c = match.group()
+        if keep_newlines and c == "\n":
+            return c
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+    return _UNPRINTABLE.sub(escape, text)
+
 
 def render(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> list[str]:
-    """The lines of a table (heading, rule, one line per row): text left, numbers right."""
-    cells = [[format(row[key], fmt) for key, _, fmt in columns] for row in rows]
+    """The lines of a table (heading, rule, one line per row): text left, numbers right.
+    Cells are ``printable``: a table never carries control characters to the terminal."""
+    cells = [[printable(format(row[key], fmt)) for key, _, fmt in columns] for row in rows]
     headings = [heading for _, heading, _ in columns]
     widths = [
         max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
