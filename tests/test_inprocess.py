@@ -185,6 +185,25 @@ def test_control_plane_answers_in_every_state(control_plane) -> None:
     assert call("stats").data == {"ok": 1}
 
 
+def test_a_weight_rollback_needs_to_be_asked_for(control_plane) -> None:
+    """``update_weights`` to an older version, or to the empty one, was answered 200: a caller
+    that rolled back by mistake (or with the secret of another) made stale KV hittable."""
+    call, _, resources = control_plane
+    assert call("update_weights", version="RL-STEP3").code is t.Code.OK
+    assert call("update_weights", version="RL-STEP5").code is t.Code.OK
+    for older in ("RL-STEP3", "RL-STEP4"):  # in force before; an earlier step never seen
+        answer = call("update_weights", version=older)
+        assert answer.code is t.Code.CONFLICT and "allow_rollback" in answer.message
+        assert resources.keys.version == "RL-STEP5"
+    assert call("update_weights", version="").code is t.Code.BAD_REQUEST
+    assert call("update_weights", version="RL-STEP5").code is t.Code.OK  # idempotent
+    assert call("update_weights", version="RL-STEP4", allow_rollback=1).code is t.Code.BAD_REQUEST
+    answer = call("update_weights", version="RL-STEP3", allow_rollback=True)
+    assert answer.code is t.Code.OK and "can be hit again" in answer.message
+    assert resources.keys.version == "RL-STEP3"
+    assert call("update_weights", version="RL-STEP6").code is t.Code.OK  # forward: no flag
+
+
 # ---- a Worker and a Client in one process -----------------------------------------------------
 
 

@@ -127,6 +127,11 @@ def test_resume_does_not_undo_an_explicit_version(tmp_path) -> None:
         assert client.control("stats").per_rank[0].data["weight_version"] == "RL-STEP2"
 
 
+def rollback(version: str) -> dict:
+    """update_weights arguments that may go back to an earlier version (on purpose here)."""
+    return {"version": version, "allow_rollback": True}
+
+
 def test_concurrent_saves_loads_and_updates_never_hit_another_version(tmp_path, figures) -> None:
     """An engine thread saves blocks whose bytes depend on the weight version, loads earlier
     prefixes, and switches versions (directly, and inside pause/resume) without waiting for
@@ -146,11 +151,11 @@ def test_concurrent_saves_loads_and_updates_never_hit_another_version(tmp_path, 
             roll = rng.random()
             if roll < 0.05:
                 current = rng.choice(versions)
-                client.submit(t.Control(method="update_weights", args={"version": current}))
+                client.submit(t.Control(method="update_weights", args=rollback(current)))
             elif roll < 0.08:
                 client.submit(t.Control(method="pause"))
                 current = rng.choice(versions)
-                client.submit(t.Control(method="update_weights", args={"version": current}))
+                client.submit(t.Control(method="update_weights", args=rollback(current)))
                 client.submit(t.Control(method="resume"))
             elif roll < 0.55 or not saved:
                 h = hashes(1, 10_000 + step)[0]

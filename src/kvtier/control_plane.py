@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 60.0  # pause/sleep wait this long for in-flight tasks unless told otherwise
 ALLOWED = ", ".join(m.value for m in ControlMethod)
-ARGUMENTS = {ControlMethod.UPDATE_WEIGHTS: {"version"}}
+ARGUMENTS = {ControlMethod.UPDATE_WEIGHTS: {"version", "allow_rollback"}}
 
 
 @dataclass
@@ -117,7 +117,7 @@ class ControlPlane:
             case ControlMethod.RESUME:
                 return self._resume()
             case ControlMethod.UPDATE_WEIGHTS:
-                return self._update_weights(args.get("version"))
+                return self._update_weights(args.get("version"), args.get("allow_rollback", False))
             case ControlMethod.SLEEP:
                 return self._sleep(drain_s)
             case ControlMethod.WAKEUP:
@@ -164,11 +164,31 @@ class ControlPlane:
 
         return release
 
-    def _update_weights(self, version: Any) -> Answer:
+    def _update_weights(self, version: Any, allow_rollback: Any) -> Answer:
+        """An explicit version pins; none re-reads version.yaml (the trainer's word: a rollback
+        there is taken as it is). An explicit rollback — a version in force before, or an
+        earlier RL-STEP — makes old KV hittable again, so it needs ``allow_rollback=true``
+        (else 409); the empty version, which names KV stored before any version, is refused."""
         if version is not None and not isinstance(version, str):
             return Answer(Code.BAD_REQUEST, f"version must be a string, got {version!r}")
+        if not isinstance(allow_rollback, bool):
+            return Answer(
+                Code.BAD_REQUEST, f"allow_rollback must be true or false, got {allow_rollback!r}"
+            )
         if version is None and not self.resources.config.model_dir:
             return Answer(Code.BAD_REQUEST, "no version given and no model_dir to read it from")
+        versions = self.resources.versions
+        if version == "" and versions.keys.version != "":
+            return Answer(
+                Code.BAD_REQUEST,
+                "the empty version names KV stored before any version was set: give a version",
+            )
+        if version is not None and versions.is_rollback(version) and not allow_rollback:
+            return Answer(
+                Code.CONFLICT,
+                f"{version!r} is a rollback from {versions.keys.version!r}: KV stored under it "
+                "would be hit again; pass allow_rollback=true if the weights are that version",
+            )
         try:
             change = self.resources.update_version(version)
         except KvtierError as e:

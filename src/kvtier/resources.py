@@ -14,6 +14,7 @@ while the version is not pinned.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 from kvtier.config import WorkerConfig
@@ -48,6 +49,16 @@ class WeightVersion:
     pinned: bool = False
     seen: set[str] = field(default_factory=set)
 
+    def is_rollback(self, version: str) -> bool:
+        """Would switching to ``version`` make older KV hittable again? It was in force before,
+        or it is an earlier ``RL-STEP<n>`` than the current one."""
+        if version == self.keys.version:
+            return False
+        if version in self.seen:
+            return True
+        steps = [_step(v) for v in (version, self.keys.version)]
+        return None not in steps and steps[0] < steps[1]  # type: ignore[operator]
+
     def set(self, version: str, *, pinned: bool) -> VersionChange:
         change = VersionChange(self.keys.version, version, version in self.seen)
         if change.changed:
@@ -55,6 +66,11 @@ class WeightVersion:
         self.pinned = pinned
         self.seen.add(version)
         return change
+
+
+def _step(version: str) -> int | None:
+    match = re.fullmatch(r"RL-STEP(\d+)", version)
+    return int(match.group(1)) if match else None
 
 
 class RankResources:
