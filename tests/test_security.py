@@ -356,3 +356,39 @@ def test_trickling_peers_cannot_blind_the_metrics_exporter() -> None:
         for thread in threads:
             thread.join()
         metrics.close()
+
+
+def test_a_client_cannot_queue_unbounded_work_and_heartbeats_keep_flowing(tmp_path) -> None:
+    """100,000 queued tasks of 2^20 ids each used to be accepted by a paused worker: 4.1 GiB RSS
+    and a 13 s heartbeat gap. Each client's queued ids are bounded; beyond, a clear refusal."""
+    import time
+
+    from kvtier import tasks as t
+    from kvtier.gate import MAX_QUEUED_IDS_PER_OWNER
+    from worker_helpers import engine
+
+    ids = list(range(t.MAX_IDS_PER_TASK))
+    per_task = 2 * len(ids)
+    with engine(tmp_path, world_size=1, storage={"backend": "memory"}) as (client, _):
+        assert client.control("pause").code == 200
+        pid = client.pids[0]
+        rss = _rss_kib(pid)
+        futures = [
+            client.submit(t.SwapOut(device_block_ids=ids, host_block_ids=ids)) for _ in range(60)
+        ]
+        held = MAX_QUEUED_IDS_PER_OWNER // per_task
+        refused = [f.result(30) for f in futures[held:]]
+        assert all(r.status is t.Status.ERROR for r in refused)
+        assert "too much work queued" in refused[0].message
+        pings = [client.ping(timeout_s=5) for _ in range(20)]
+        assert max(pings) < 1.0
+        assert _rss_kib(pid) - rss < 256 << 10  # KiB: well below what 60 such tasks would take
+        assert client.control("resume").code == 200
+        done = [f.result(60) for f in futures[:held]]  # answered: invalid ids, not dropped
+        assert all(r.status is t.Status.ERROR for r in done)
+        assert client.swap_out([1], [0]).status is t.Status.OK
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
