@@ -125,10 +125,10 @@ class _BoundedServer(ThreadingHTTPServer):
         self._deadlines: dict[socket.socket, float] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        super().__init__(address, _MetricsHandler)
         self._watchdog = threading.Thread(
             target=self._expire, name="kvtier-metrics-deadlines", daemon=True
         )
+        super().__init__(address, _MetricsHandler)  # a failed bind calls server_close
         self._watchdog.start()
 
     def watch(self, conn: socket.socket) -> None:
@@ -156,7 +156,8 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         self._stopped.set()
-        self._watchdog.join()
+        if self._watchdog.is_alive():
+            self._watchdog.join()
         super().server_close()
 
     def process_request(self, request, client_address) -> None:
