@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--plot", metavar="FILE", help="draw GB/s against N beside the limit (PNG)")
+    p.add_argument(
+        "--storage",
+        action="store_true",
+        help="also time a file-store load into device blocks (a worker's load path) beside "
+        "the warm file-store load of the same objects into host memory",
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -171,7 +177,69 @@ def _run_case(args: argparse.Namespace, block_size: int, n: int) -> list[dict]:
                 f"  {direction:8s} {rows[-1]['gbps']:.2f} GB/s (limit {rows[-1]['limit_gbps']:.2f})"
             )
         copier.close()
+        if args.storage:
+            rows.append(_storage_case(args, spec, cache, dev_ids))
     return rows
+
+
+def _storage_case(args: argparse.Namespace, spec: KVCacheSpec, cache: DeviceCache, dev_ids):
+    """The worker's load path (file store -> staging -> device blocks, verified) beside the
+    warm file-store load of the same objects into host blocks (the limit it is measured
+    against: what storage alone delivers)."""
+    import tempfile
+
+    from kvtier import tasks as t
+    from kvtier.datapath import DataPath
+    from kvtier.host import HostLayout
+    from kvtier.keys import KeyScheme
+    from kvtier.storage.file import FileStore
+
+    n = len(dev_ids)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    hashes = [bytes([i % 256, i // 256]) * 16 for i in range(n)]
+    keys = KeyScheme("bench", spec.fingerprint, 0)
+    layout = HostLayout(n, n)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-bench-copy-") as root,
+        FileStore(spec, {"root": root}) as store,
+        HostPool(spec, layout.total_blocks) as pool,
+    ):
+        datapath = DataPath(cache, pool, layout, store)
+        ids = dev_ids.tolist()
+        saved = datapath.run(t.Save(task_id=1, block_hashes=hashes, device_block_ids=ids), keys)
+        if len(saved.blocks) != n:
+            raise SystemExit(f"bench copy: saved {len(saved.blocks)} of {n} blocks")
+        load = t.Load(task_id=2, block_hashes=hashes, device_block_ids=ids)
+        names = keys.keys(hashes)
+        blocks = [pool.block(i) for i in range(n)]
+        fns = {
+            "load": lambda: datapath.run(load, keys),
+            "warm": lambda: store.get_into(names, blocks),
+        }
+        timings = interleaved_timings(fns, args.runs, sync, MIN_SAMPLE_S)
+        datapath.close()
+    nbytes = n * spec.block_bytes
+    load_s, warm_s = timings["load"].median, timings["warm"].median
+    progress(f"  storage load -> {args.device}: {gbps(nbytes, load_s):.2f} GB/s")
+    return {
+        "device": args.device,
+        "block_size": spec.block_size,
+        "num_blocks": n,
+        "num_layers": spec.num_layers,
+        "block_bytes": spec.block_bytes,
+        "direction": f"file load -> {args.device}",
+        "bytes": nbytes,
+        "gbps": gbps(nbytes, load_s),
+        "gbps_range": timings["load"].gbps_range(nbytes),
+        "limit_gbps": gbps(nbytes, warm_s),
+        "ratio_to_limit": warm_s / load_s,
+        "loop_gbps": float("nan"),
+        "speedup_vs_loop": float("nan"),
+        "checksum_gbps": float("nan"),
+        "checksum_ratio_to_limit": float("nan"),
+        "runs": args.runs,
+        "limit": "file store warm load into host blocks",
+    }
 
 
 def _check_all(matches) -> None:

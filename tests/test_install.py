@@ -86,3 +86,16 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_the_device_check_script_parses_and_names_its_gpu_tests() -> None:
+    """bench/device_check.sh runs on the device machine only when one is lent: keep it
+    syntactically valid, and the test files it runs present, on every machine."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "bench" / "device_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    for name in ("tests/test_gpu.py", "tests/test_copier.py", "tests/test_device.py"):
+        assert name in script.read_text() and (root / name).exists()
