@@ -345,3 +345,23 @@ def test_the_client_survives_any_single_bad_message_from_a_worker() -> None:
         client.close()
     finally:
         server.close()
+
+
+def test_refused_hellos_are_logged_once_per_peer_per_interval(caplog) -> None:
+    """Every refused hello used to be logged (~9 GiB a day per attacking connection)."""
+    import logging
+
+    from kvtier.peers import PeerTable
+
+    caplog.set_level(logging.WARNING, logger="kvtier.worker")
+    table = PeerTable(rank=0, max_peers=8)
+    for i in range(1000):
+        accepted, why = table.hello(f"p{i}".encode(), t.Hello(protocol_version=99, client_id="a"))
+        assert not accepted and "protocol version 99" in why
+    table.hello(b"q", t.Hello(protocol_version=99, client_id="another"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "'a'" in lines[0] and "'another'" in lines[1]
+    assert table.refusals.total == 1001
+    assert len(table) == 8  # peers remembered are bounded too
+    assert table.hello(b"r", t.Hello(protocol_version=t.PROTOCOL_VERSION)) == (True, "")
+    assert table.accepted(b"r") and not table.accepted(b"p0")
