@@ -361,7 +361,6 @@ def test_trickling_peers_cannot_blind_the_metrics_exporter() -> None:
 def test_a_client_cannot_queue_unbounded_work_and_heartbeats_keep_flowing(tmp_path) -> None:
     """100,000 queued tasks of 2^20 ids each used to be accepted by a paused worker: 4.1 GiB RSS
     and a 13 s heartbeat gap. Each client's queued ids are bounded; beyond, a clear refusal."""
-    import time
 
     from kvtier import tasks as t
     from kvtier.gate import MAX_QUEUED_IDS_PER_OWNER

@@ -68,7 +68,7 @@ def _untouched(canary: Path) -> dict[str, bytes]:
 def _attacker(script: str, root: Path, canary: Path):
     """Run ``script`` (bash, in ``root``, ``$CANARY`` set) in a loop for ATTACK_S seconds."""
     script = script.strip().rstrip(";")
-    loop = f'end=$((SECONDS+{int(ATTACK_S) + 2})); while [ $SECONDS -lt $end ]; do {script}; done'
+    loop = f"end=$((SECONDS+{int(ATTACK_S) + 2})); while [ $SECONDS -lt $end ]; do {script}; done"
     command = ["bash", "-c", loop]
     if os.geteuid() == 0:
         command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command]
@@ -98,7 +98,7 @@ def _restore(root: Path) -> None:
 
 
 SWAP_TMP = (
-    "mv -T tmp tmp.x 2>/dev/null; ln -sfn \"$CANARY\" tmp 2>/dev/null; "
+    'mv -T tmp tmp.x 2>/dev/null; ln -sfn "$CANARY" tmp 2>/dev/null; '
     "rm -f tmp 2>/dev/null; mv -T tmp.x tmp 2>/dev/null"
 )
 
@@ -122,13 +122,17 @@ def test_a_tmp_swapped_for_a_link_at_start_up_deletes_nothing_outside_the_root(
     assert not (root / "tmp").is_symlink()
 
 
-SWAP_FANOUTS = " ".join(
-    f"mv -T objects/{i:02x} objects/{i:02x}.x 2>/dev/null; "
-    f'ln -sfn "$CANARY" objects/{i:02x} 2>/dev/null;'
-    for i in range(16)
-) + " sleep 0.01; " + " ".join(
-    f"rm -f objects/{i:02x} 2>/dev/null; mv -T objects/{i:02x}.x objects/{i:02x} 2>/dev/null;"
-    for i in range(16)
+SWAP_FANOUTS = (
+    " ".join(
+        f"mv -T objects/{i:02x} objects/{i:02x}.x 2>/dev/null; "
+        f'ln -sfn "$CANARY" objects/{i:02x} 2>/dev/null;'
+        for i in range(16)
+    )
+    + " sleep 0.01; "
+    + " ".join(
+        f"rm -f objects/{i:02x} 2>/dev/null; mv -T objects/{i:02x}.x objects/{i:02x} 2>/dev/null;"
+        for i in range(16)
+    )
 )
 
 
@@ -157,10 +161,9 @@ def test_fanouts_swapped_for_links_while_open_get_no_write_and_no_eviction_outsi
         assert i >= 40
     assert _untouched(canary) == before
     _restore(root)
-    with FileStore(SPEC, config) as store:  # the store still works afterwards
-        with HostPool(SPEC, 2) as pool:
-            assert store.put_from(keys[:1], [pool.block(0)]) == [True]
-            assert store.get_into(keys[:1], [pool.block(1)]) == [True]
+    with FileStore(SPEC, config) as store, HostPool(SPEC, 2) as pool:  # still works afterwards
+        assert store.put_from(keys[:1], [pool.block(0)]) == [True]
+        assert store.get_into(keys[:1], [pool.block(1)]) == [True]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
@@ -170,11 +173,11 @@ def test_a_group_store_gets_group_modes_whatever_the_umask(tmp_path, umask) -> N
     old = os.umask(umask)
     try:
         root = tmp_path / "store"
-        with FileStore(SPEC, {"root": root, "permissions": "group"}) as store:
-            with HostPool(SPEC, 2) as pool:
-                keys = _keys(1)
-                assert store.put_from(keys, [pool.block(0)]) == [True]
-                obj = store._path(keys[0])
+        config = {"root": root, "permissions": "group"}
+        with FileStore(SPEC, config) as store, HostPool(SPEC, 2) as pool:
+            keys = _keys(1)
+            assert store.put_from(keys, [pool.block(0)]) == [True]
+            obj = store._path(keys[0])
     finally:
         os.umask(old)
     for directory in (root, root / "objects", root / "tmp", obj.parent):
