@@ -195,13 +195,15 @@ def test_a_weight_rollback_needs_to_be_asked_for(control_plane) -> None:
         answer = call("update_weights", version=older)
         assert answer.code is t.Code.CONFLICT and "allow_rollback" in answer.message
         assert resources.keys.version == "RL-STEP5"
-    assert call("update_weights", version="").code is t.Code.BAD_REQUEST
+    assert call("update_weights", version="").code is t.Code.CONFLICT  # before any version
     assert call("update_weights", version="RL-STEP5").code is t.Code.OK  # idempotent
     assert call("update_weights", version="RL-STEP4", allow_rollback=1).code is t.Code.BAD_REQUEST
     answer = call("update_weights", version="RL-STEP3", allow_rollback=True)
     assert answer.code is t.Code.OK and "can be hit again" in answer.message
     assert resources.keys.version == "RL-STEP3"
     assert call("update_weights", version="RL-STEP6").code is t.Code.OK  # forward: no flag
+    assert call("update_weights", version="", allow_rollback=True).code is t.Code.OK
+    assert resources.keys.version == ""
 
 
 # ---- a Worker and a Client in one process -----------------------------------------------------

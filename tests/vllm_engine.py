@@ -153,7 +153,8 @@ def scenario_single(args: dict) -> None:
         assert client.control("update_weights", version="RL-STEP2").code == 200
         reset(llm)
         emit("new_version", **generate(llm, prompts()))
-        assert client.control("update_weights", version="").code == 200
+        # back to the unversioned keys the engine's scheduler side uses: a rollback on purpose
+        assert client.control("update_weights", version="", allow_rollback=True).code == 200
     reset(llm)
     emit(
         "forged",

@@ -167,8 +167,8 @@ class ControlPlane:
     def _update_weights(self, version: Any, allow_rollback: Any) -> Answer:
         """An explicit version pins; none re-reads version.yaml (the trainer's word: a rollback
         there is taken as it is). An explicit rollback — a version in force before, or an
-        earlier RL-STEP — makes old KV hittable again, so it needs ``allow_rollback=true``
-        (else 409); the empty version, which names KV stored before any version, is refused."""
+        earlier RL-STEP, or the empty version (KV stored before any version was set) — makes
+        old KV hittable again, so it needs ``allow_rollback=true`` (else 409)."""
         if version is not None and not isinstance(version, str):
             return Answer(Code.BAD_REQUEST, f"version must be a string, got {version!r}")
         if not isinstance(allow_rollback, bool):
@@ -178,16 +178,19 @@ class ControlPlane:
         if version is None and not self.resources.config.model_dir:
             return Answer(Code.BAD_REQUEST, "no version given and no model_dir to read it from")
         versions = self.resources.versions
-        if version == "" and versions.keys.version != "":
-            return Answer(
-                Code.BAD_REQUEST,
-                "the empty version names KV stored before any version was set: give a version",
+        rollback = version is not None and (
+            versions.is_rollback(version) or (version == "" != versions.keys.version)
+        )
+        if rollback and not allow_rollback:
+            what = (
+                "the empty version names KV stored before any version was set"
+                if version == ""
+                else f"{version!r} is a rollback from {versions.keys.version!r}"
             )
-        if version is not None and versions.is_rollback(version) and not allow_rollback:
             return Answer(
                 Code.CONFLICT,
-                f"{version!r} is a rollback from {versions.keys.version!r}: KV stored under it "
-                "would be hit again; pass allow_rollback=true if the weights are that version",
+                f"{what}: KV stored under it would be hit again; pass allow_rollback=true if "
+                "the weights are that version",
             )
         try:
             change = self.resources.update_version(version)
