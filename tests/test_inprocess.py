@@ -367,3 +367,19 @@ def test_refused_hellos_are_logged_once_per_peer_per_interval(caplog) -> None:
     assert len(table) == 8  # peers remembered are bounded too
     assert table.hello(b"r", t.Hello(protocol_version=t.PROTOCOL_VERSION)) == (True, "")
     assert table.accepted(b"r") and not table.accepted(b"p0")
+
+
+def test_status_observers_never_push_the_engine_out_of_the_peer_table() -> None:
+    """Each `kvtier status` run is a new peer: thousands of them must not make the worker
+    forget its engine (whose tasks would then be refused with "say hello first")."""
+    from kvtier.peers import PeerTable
+
+    table = PeerTable(rank=0, max_peers=4)
+    assert table.hello(b"engine", t.Hello(protocol_version=t.PROTOCOL_VERSION))[0]
+    for i in range(100):
+        table.hello(
+            f"status{i}".encode(), t.Hello(protocol_version=t.PROTOCOL_VERSION, observer=True)
+        )
+        table.hello(f"old{i}".encode(), t.Hello(protocol_version=99))
+    assert table.accepted(b"engine") and not table.observer(b"engine")
+    assert len(table) == 4

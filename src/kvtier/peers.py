@@ -22,8 +22,9 @@ from kvtier import tasks as t
 log = logging.getLogger("kvtier.worker")
 
 REFUSAL_LOG_INTERVAL_S = 60.0
-# Peers remembered (accepted or refused); the oldest is forgotten first. A forgotten accepted
-# peer must say hello again; nothing else about a peer is kept.
+# Peers remembered (accepted or refused). Past this, refused peers and observers (each
+# `kvtier status` run is a new one) are forgotten first, oldest first: an engine is forgotten
+# only when nothing else is left to forget (it would then have to say hello again).
 MAX_PEERS = 4096
 
 
@@ -73,7 +74,12 @@ class PeerTable:
     def _remember(self, peer: bytes, entry: _Peer) -> None:
         self._peers.pop(peer, None)
         self._peers[peer] = entry
-        while len(self._peers) > self.max_peers:
+        if len(self._peers) <= self.max_peers:
+            return
+        spare = next((p for p, e in self._peers.items() if not e.accepted or e.observer), None)
+        if spare is not None:
+            del self._peers[spare]
+        else:
             self._peers.popitem(last=False)
 
 

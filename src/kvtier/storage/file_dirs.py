@@ -50,16 +50,20 @@ def set_mode(fd: int, mode: int) -> None:
         os.fchmod(fd, mode)
 
 
-def real_directory(name: str, dir_fd: int, mode: int) -> int:
+def real_directory(name: str, dir_fd: int, mode: int, check_mode: bool = False) -> int:
     """A descriptor of the directory ``name`` inside ``dir_fd``, made if missing. Whatever else
     is found at that name (a link, a file, a FIFO) is unlinked first and never followed.
-    Several processes may do this at once (ranks sharing a store)."""
+    Several processes may do this at once (ranks sharing a store). The mode is set on a
+    directory made here, and with ``check_mode`` on one found (the start-up pass): not on every
+    operation's walk."""
+    made = False
     for _ in range(REPLACE_ATTEMPTS):
         try:
             fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             try:
                 os.mkdir(name, mode, dir_fd=dir_fd)
+                made = True
             except FileExistsError:
                 pass  # another process made it: open what is there
             continue
@@ -70,11 +74,12 @@ def real_directory(name: str, dir_fd: int, mode: int) -> int:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dir_fd)
             continue
-        try:
-            set_mode(fd, mode)
-        except OSError:
-            os.close(fd)
-            raise
+        if made or check_mode:
+            try:
+                set_mode(fd, mode)
+            except OSError:
+                os.close(fd)
+                raise
         return fd
     raise StorageError(f"cannot make {name!r} a directory: something keeps replacing it")
 
@@ -94,11 +99,11 @@ class StoreDirs:
         """Create what is missing (root included) and check every directory once."""
         self._open_root()
         assert self.root_fd is not None
-        os.close(real_directory(TMP, self.root_fd, self.dir_mode))
-        objects = real_directory(OBJECTS, self.root_fd, self.dir_mode)
+        os.close(real_directory(TMP, self.root_fd, self.dir_mode, check_mode=True))
+        objects = real_directory(OBJECTS, self.root_fd, self.dir_mode, check_mode=True)
         try:
             for i in range(FANOUT_DIRS):
-                os.close(real_directory(fanout_name(i), objects, self.dir_mode))
+                os.close(real_directory(fanout_name(i), objects, self.dir_mode, check_mode=True))
         finally:
             os.close(objects)
         return self
