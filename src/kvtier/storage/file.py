@@ -58,7 +58,6 @@ from kvtier.storage.file_dirs import (
     TMP_NAME,
     StoreDirs,
     fanout_name,
-    set_mode,
 )
 from kvtier.storage.file_io import advance, alive, zero
 from kvtier.storage.format import HEADER_BYTES
@@ -170,12 +169,7 @@ class FileStore(StorageBackend):
         fan, name = self._name(key)
         tmp = self._tmp_name()
         with self._dirs.tmp() as tmp_fd, self._dirs.fanout(fan) as fan_fd:
-            fd = os.open(tmp, _CREATE_FLAGS, self.config.permissions.file_mode, dir_fd=tmp_fd)
-            try:
-                set_mode(fd, self.config.permissions.file_mode)
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            self._write_tmp(tmp, tmp_fd, [data])
             os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fan_fd)
         self._indexed(name, len(data))
 
