@@ -71,7 +71,8 @@ def real_directory(name: str, dir_fd: int, mode: int, check_mode: bool = False) 
             if e.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
             log.warning("file store: replacing %r (not a directory) with a directory", name)
-            with contextlib.suppress(FileNotFoundError):
+            # Gone, or a directory again by now (someone racing us): look again.
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.unlink(name, dir_fd=dir_fd)
             continue
         if made or check_mode:
@@ -96,14 +97,25 @@ class StoreDirs:
         self._lock = threading.Lock()  # replacing root_fd (the root was removed)
 
     def open(self) -> StoreDirs:
-        """Create what is missing (root included) and check every directory once."""
+        """Create what is missing (root included) and check every directory once. A directory
+        that someone keeps replacing while we look (a group member racing us) does not stop
+        the start: every operation walks to it again, and fails alone if it must."""
         self._open_root()
         assert self.root_fd is not None
-        os.close(real_directory(TMP, self.root_fd, self.dir_mode, check_mode=True))
-        objects = real_directory(OBJECTS, self.root_fd, self.dir_mode, check_mode=True)
+        try:
+            os.close(real_directory(TMP, self.root_fd, self.dir_mode, check_mode=True))
+            objects = real_directory(OBJECTS, self.root_fd, self.dir_mode, check_mode=True)
+        except StorageError as e:
+            log.warning("file store %s: %s; continuing", self.root, e)
+            return self
         try:
             for i in range(FANOUT_DIRS):
-                os.close(real_directory(fanout_name(i), objects, self.dir_mode, check_mode=True))
+                try:
+                    fd = real_directory(fanout_name(i), objects, self.dir_mode, check_mode=True)
+                except StorageError as e:
+                    log.warning("file store %s: %s; continuing", self.root, e)
+                    continue
+                os.close(fd)
         finally:
             os.close(objects)
         return self
