@@ -146,8 +146,9 @@ def standalone(
     argv: Sequence[str] | None = None,
 ) -> int:
     """``python -m kvtier_bench.NAME``: the same options as ``kvtier bench NAME``."""
-    import argparse
 
-    parser = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=doc)
+    from kvtier.cli_args import Parser
+
+    parser = Parser(prog=f"kvtier bench {name}", description=doc)
     add_arguments(parser)
     return report(parser.parse_args(argv))

@@ -29,6 +29,7 @@ from kvtier_bench.common import (
     save_plot,
     standalone,
 )
+from kvtier_bench.options import copy_arguments as add_arguments
 
 # Each timed sample lasts at least this long (small cases repeat the call): one call of a
 # few milliseconds swung by 25% from run to run.
@@ -47,31 +48,6 @@ COLUMNS = [
     ("checksum_gbps", "+xxh3 GB/s", ".2f"),
     ("checksum_ratio_to_limit", "+xxh3 x limit", ".2f"),
 ]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--block-sizes", default="16,64", help="tokens per block, comma-separated")
-    p.add_argument(
-        "--num-blocks",
-        default=None,
-        help="blocks per call, comma-separated (default 16,256,1024: about 4 GiB at once; "
-        "--large: 16,256,2048,4096)",
-    )
-    p.add_argument("--large", action="store_true", help="the larger sweep (about 17 GiB)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--runs", type=int, default=5, help="timed runs per figure (median)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.add_argument("--plot", metavar="FILE", help="draw GB/s against N beside the limit (PNG)")
-    p.add_argument(
-        "--storage",
-        action="store_true",
-        help="also time a file-store load into device blocks (a worker's load path) beside "
-        "the warm file-store load of the same objects into host memory",
-    )
 
 
 def _ints(text: str) -> list[int]:

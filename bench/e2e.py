@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from kvtier.demo import Workload, run
 from kvtier.table import plural
 from kvtier_bench.common import emit, progress, save_plot, standalone
+from kvtier_bench.options import e2e_arguments as add_arguments
 
 COLUMNS = [
     ("config", "configuration", "s"),
@@ -33,18 +34,6 @@ CONFIGS = [
     ("device + host", True, False),
     ("kvtier: device + host + storage", True, True),
 ]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=2, help="worker ranks (tensor parallel)")
-    p.add_argument("--users", type=int, default=16, help="concurrent chat users")
-    p.add_argument("--turns", type=int, default=6, help="turns per user")
-    p.add_argument("--device-blocks", type=int, default=160, help="device cache blocks")
-    p.add_argument("--host-blocks", type=int, default=256, help="host pool blocks")
-    p.add_argument("--seed", type=int, default=0, help="workload random seed")
-    p.add_argument("--runs", type=int, default=3, help="runs per configuration (median)")
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.add_argument("--plot", metavar="FILE", help="draw where prefill tokens came from (PNG)")
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:

@@ -16,6 +16,7 @@ from kvtier import DeviceCache, KVCacheSpec
 from kvtier.client import Client
 from kvtier.device import cache_name
 from kvtier_bench.common import emit, progress, standalone
+from kvtier_bench.options import latency_arguments as add_arguments
 
 COLUMNS = [
     ("what", "round trip", "s"),
@@ -25,18 +26,6 @@ COLUMNS = [
     ("p99_us", "p99 us", ".0f"),
     ("mean_us", "mean us", ".0f"),
 ]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--n", type=int, default=3000, help="round trips per measurement")
-    p.add_argument(
-        "--transport",
-        choices=["ipc", "tcp"],
-        default="ipc",
-        help="ipc:// sockets (default) or tcp://127.0.0.1 with an instance secret",
-    )
-    p.add_argument("--json", action="store_true")
 
 
 def _stats(what: str, ranks: int, samples: list[float], transport: str) -> dict:

@@ -14,7 +14,8 @@ copy, which hashes while it copies (the worker's load path; see ``kvtier bench c
 GB/s counts payload bytes (the page-first blocks) for both.
 
 ``--mac on`` (or ``both``) runs kvtier's side with authenticated objects (``storage.mac_key_file``:
-HMAC-SHA256 over every object on save and on load), the cost of item 9 of the security review.
+a 128-bit keyed BLAKE3 MAC over every object, made on save and checked on load): ``both`` shows
+what authentication costs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvtier.checksum import payload_checksum
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
 from kvtier_bench.common import Timing, emit, gbps, log2_axes, progress, save_plot, standalone
+from kvtier_bench.options import storage_arguments as add_arguments
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -56,35 +58,6 @@ SIZES = {
     1: dict(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128),
     8: dict(num_layers=32, num_kv_heads=8, block_size=64, head_dim=128),
 }
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", default="file,mooncake", help="comma-separated")
-    p.add_argument("--sizes", default="1,8", help="object sizes in MiB: 1 and/or 8")
-    p.add_argument(
-        "--bytes-per-run",
-        type=int,
-        default=512 << 20,
-        help="bytes per timed save/load (N = this / object size)",
-    )
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--root", default=None, help="file store directory (default: a temp dir)")
-    p.add_argument("--fsync", default="none", choices=["none", "data", "full"])
-    p.add_argument("--io-threads", type=int, default=4)
-    p.add_argument(
-        "--mooncake-master",
-        default=None,
-        help="host:port of a running master (default: start one on loopback)",
-    )
-    p.add_argument("--mooncake-metadata", default=None, help="its metadata server URL")
-    p.add_argument(
-        "--mac",
-        default="off",
-        choices=["off", "on", "both"],
-        help="authenticated objects (HMAC-SHA256): off, on, or both to see the cost",
-    )
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", metavar="FILE", help="draw GB/s per object size beside raw (PNG)")
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier_bench.common import emit, progress, standalone
+from kvtier_bench.options import vllm_arguments as add_arguments
 
 COLUMNS = [
     ("configuration", "configuration", "s"),
@@ -35,19 +36,6 @@ COLUMNS = [
     ("load_gbps", "load GB/s", ".2f"),
 ]
 RUNNER = "kvtier_bench.vllm_engine"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", type=int, default=4, help="prompts per run")
-    p.add_argument("--prompt-tokens", type=int, default=2040, help="tokens per prompt")
-    p.add_argument("--shared-tokens", type=int, default=0, help="leading tokens all share")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (medians reported)")
-    p.add_argument("--load-mode", default="async", choices=["async", "sync"], help="connector")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size of the random Llama")
-    p.add_argument("--model", help="a model directory (default: build a random Llama)")
-    p.add_argument("--store", help="file store directory (default: a temporary one)")
-    p.add_argument("--no-storage-reference", action="store_true", help="skip the storage row")
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
 def _runner(*argv: str, timeout_s: float = 3600) -> list[dict]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
-import tempfile
+import uuid
 from pathlib import Path
+
+import pytest
 
 from conftest import require_mooncake
 
@@ -23,28 +26,47 @@ REQUIRED_COPY_KEYS = {
 }
 
 
-def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def kvtier(
+    *args: str, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "kvtier.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
-def test_demo_verifies_every_block_and_leaves_nothing_behind() -> None:
-    from kvtier.config import default_socket_dir
+def _private_dirs(tmp_path: Path) -> dict[str, str]:
+    """TMPDIR and XDG_RUNTIME_DIR of the test's own: what a run leaves there is the run's."""
+    return {"TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
 
-    shm_before = set(Path("/dev/shm").glob("kvtier-demo*"))
-    tmp_before = set(Path(tempfile.gettempdir()).glob("kvtier-demo*"))
-    out = kvtier("demo")
+
+def _left_by(instance: str, tmp_path: Path) -> list[str]:
+    """What a run named ``instance`` left: its /dev/shm names, any file or launch/demo directory
+    in the test's private directories. Other programs' files are not looked at."""
+    shm = [p.name for p in Path("/dev/shm").iterdir() if instance in p.name]
+    files = [
+        str(p.relative_to(tmp_path))
+        for p in tmp_path.rglob("*")
+        if not p.is_dir() or p.name.startswith(("kvtier-launch-", "kvtier-demo-"))
+    ]
+    return shm + files
+
+
+def test_demo_verifies_every_block_and_leaves_nothing_behind(tmp_path) -> None:
+    instance = f"demo{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    out = kvtier("demo", "--instance-id", instance, env=_private_dirs(run_dir))
     assert out.returncode == 0, out.stderr
     assert "integrity:" in out.stdout and "prefill avoided" in out.stdout
     line = next(x for x in out.stdout.splitlines() if "integrity:" in x)
     verified, total = (int(x) for x in re.findall(r"\d+", line)[:2])
     assert verified == total > 1000
     assert "turn 6/6" in out.stderr  # progress while it runs
-    # Nothing new (the start may also have reclaimed what earlier, killed runs left).
-    assert set(Path("/dev/shm").glob("kvtier-demo*")) <= shm_before
-    assert set(Path(tempfile.gettempdir()).glob("kvtier-demo*")) <= tmp_before
-    assert not list(default_socket_dir().glob("demo*"))
+    assert _left_by(instance, run_dir) == []
     data = json.loads(
         kvtier(
             "demo",
@@ -185,20 +207,24 @@ def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 def test_every_cli_error_is_one_line_that_names_the_field(tmp_path) -> None:
-    shm_before = set(Path("/dev/shm").iterdir())
-    _one_line_error(kvtier("demo", "--ranks", "0"), "ranks: must be an integer in 1..64")
-    _one_line_error(kvtier("demo", "--users", "10000000000"), "users: must be an integer")
+    instance = f"demo{uuid.uuid4().hex[:8]}"
+    env = _private_dirs(tmp_path)
+
+    def demo(*flags: str) -> subprocess.CompletedProcess:
+        return kvtier("demo", "--instance-id", instance, *flags, env=env)
+
+    _one_line_error(demo("--ranks", "0"), "ranks: must be an integer >= 1")
+    _one_line_error(demo("--ranks", "65"), "ranks: must be an integer in 1..64")
+    _one_line_error(demo("--users", "10000000000"), "users: must be an integer")
     # Larger than /dev/shm: refused before anything is mapped (it used to die of SIGBUS).
-    _one_line_error(
-        kvtier("demo", "--device-blocks", "4000000"), "needs", "GiB of shared memory", "free"
-    )
+    _one_line_error(demo("--device-blocks", "4000000"), "needs", "GiB of shared memory", "free")
     # Larger than the memory available: refused by the worker before it allocates.
     _one_line_error(
-        kvtier("demo", "--host-blocks", "4000000", "--ranks", "1"),
+        demo("--host-blocks", "4000000", "--ranks", "1"),
         "rank 0 did not start",
         "num_host_blocks: needs",
     )
-    assert set(Path("/dev/shm").iterdir()) <= shm_before
+    assert _left_by(instance, tmp_path) == []
 
 
 def test_serve_settings_from_the_environment_and_flags_that_do_nothing(tmp_path) -> None:
@@ -254,3 +280,121 @@ def test_serve_settings_from_the_environment_and_flags_that_do_nothing(tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"metrics_port: cannot serve metrics on 127.0.0.1:{port}" in out.stderr
     assert "KVTIER_COLOUR is not a kvtier setting" in out.stderr  # reported, not fatal
+
+
+# ---- what a newcomer hit ------------------------------------------------------------------------
+
+
+def _blocking(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """An environment in which ``modules`` are not installed (a sitecustomize refuses them)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"BLOCKED = {modules!r}\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if any(name == m or name.startswith(m + '.') for m in BLOCKED):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["demo", "--seed", "-1"], "--seed: must be an integer in 0..4294967295, got '-1'"),
+        (["demo", "--json", "--seed", "-1"], "--seed: must be an integer in 0..4294967295"),
+        (["demo", "--turns", "two"], "--turns: must be an integer >= 1, got 'two'"),
+        (["bench", "e2e", "--seed", "-1"], "--seed: must be an integer in 0..4294967295"),
+        (["bench", "copy", "--runs", "0"], "--runs: must be an integer >= 1, got '0'"),
+        (["bench", "storage", "--bytes-per-run", "-5"], "--bytes-per-run: '-5': a size cannot"),
+        (["bench", "latency", "--n", "-3"], "--n: must be an integer >= 1, got '-3'"),
+        (["status", "x", "--timeout", "0"], "--timeout: must be a number > 0, got '0'"),
+        (["store", "gc", "/nonexistent", "--capacity", "-5G"], "--capacity: '-5G': a size cannot"),
+        (["store", "gc", "/nonexistent", "--older-than", "soon"], "--older-than: 'soon' is not"),
+        (["serve", "--rank", "-1"], "--rank: must be an integer >= 0, got '-1'"),
+    ],
+)
+def test_every_numeric_option_is_checked_in_one_line(argv, needle) -> None:
+    """`kvtier demo --seed -1` printed a 33-line numpy traceback; `--capacity -5G` got its
+    real error only as `--capacity=-5G`."""
+    _one_line_error(kvtier(*argv), needle)
+
+
+def test_sizes_parse_one_way_everywhere(tmp_path) -> None:
+    from kvtier.cli import _bench_parser, build_parser
+
+    bench = _bench_parser("storage").parse_args(["--bytes-per-run", "64M"])
+    assert bench.bytes_per_run == 64 << 20  # it was refused: "invalid int value: '64M'"
+    gc = build_parser().parse_args(["store", "gc", str(tmp_path), "--capacity", "500M"])
+    assert gc.capacity == 500 << 20
+    assert _bench_parser("storage").parse_args(["--bytes-per-run", "4096"]).bytes_per_run == 4096
+
+
+def test_a_mistyped_flag_shows_the_subcommands_usage() -> None:
+    out = kvtier("demo", "--sed", "1")
+    assert out.returncode == 2 and "usage: kvtier demo" in out.stderr, out.stderr
+    assert out.stderr.strip().endswith("kvtier: error: unrecognized arguments: --sed 1")
+    out = kvtier("store", "gc", "/nonexistent", "--capacitty", "1G")
+    assert out.returncode == 2 and "usage: kvtier store gc" in out.stderr, out.stderr
+
+
+def test_bench_help_answers_without_torch_and_says_what_the_mac_is() -> None:
+    from kvtier.cli import BENCHES
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvtier.cli import main\n"
+        "for name in sys.argv[1:]:\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "        main(['bench', name, '--help'])\n"
+        "    print('=====', name, 'torch' in sys.modules)\n"
+        "    print(out.getvalue())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *BENCHES], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    for name in BENCHES:
+        assert f"===== {name} False" in out.stdout  # torch is not imported for --help
+    storage_help = out.stdout.split("===== storage")[1].split("=====")[0]
+    assert "BLAKE3" in storage_help and "HMAC" not in storage_help
+    assert "review" not in storage_help  # it cited a review that is not in the repository
+
+
+def test_plot_without_matplotlib_fails_before_the_benchmark_runs(tmp_path) -> None:
+    out = kvtier(
+        "bench", "copy", "--plot", str(tmp_path / "x.png"), env=_blocking(tmp_path, "matplotlib")
+    )
+    _one_line_error(out, "--plot: needs matplotlib", "pip install 'kvtier[plot]'")
+    assert "device" not in out.stdout  # no benchmark row was printed
+
+
+def test_keep_store_takes_only_a_new_empty_or_kvtier_directory(tmp_path) -> None:
+    """`kvtier demo --keep-store /etc` wrote objects/ and tmp/ into /etc. The run that is
+    allowed also has no native copier: the demo says so (the workers' log said it alone)."""
+    from kvtier.demo import check_keep_store
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "passwd").write_text("root:x:0:0\n")
+    _one_line_error(
+        kvtier("demo", "--keep-store", str(other)),
+        "keep_store:",
+        "is not empty and not a kvtier file store (it holds passwd)",
+    )
+    assert sorted(p.name for p in other.iterdir()) == ["passwd"]
+    (tmp_path / "a-file").write_text("x")
+    _one_line_error(kvtier("demo", "--keep-store", str(tmp_path / "a-file")), "not a directory")
+    store = tmp_path / "store"
+    env = {**_private_dirs(tmp_path), **_blocking(tmp_path, "kvtier._copy")}
+    out = kvtier(
+        "demo", "--keep-store", str(store), "--users", "2", "--turns", "2", "--ranks", "1", env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kvtier demo: note: kvtier._copy is not built" in out.stderr
+    assert (store / "objects").is_dir()
+    check_keep_store(store)  # an earlier --keep-store directory is taken again

@@ -67,3 +67,38 @@ def test_shared_backing_is_readable_from_another_process() -> None:
     assert not (SHM_DIR / f"{shared}.hostpool").exists()
     with pytest.raises(DeviceCacheError, match="no host pool"):
         HostPool.open_shared(spec, shared, 4)
+
+
+def test_an_absurd_host_pool_is_refused_before_anything_is_allocated(monkeypatch) -> None:
+    """The worker used to create (and then remove) its device cache before the host pool's size
+    was checked: every size is checked first now."""
+    from kvtier.config import WorkerConfig
+    from kvtier.device import DeviceCache
+    from kvtier.resources import RankResources
+
+    created: list[str] = []
+    original = DeviceCache.create
+    monkeypatch.setattr(
+        DeviceCache, "create", lambda *a, **k: created.append(a[1]) or original(*a, **k)
+    )
+    instance = f"absurd{uuid.uuid4().hex[:6]}"
+    spec = SPECS["bf16"]
+    config = WorkerConfig(
+        spec=spec,
+        instance_id=instance,
+        device_cache_mode="create",
+        num_host_blocks=(1 << 50) // spec.block_bytes,  # a petabyte
+        storage={"backend": "memory"},
+    )
+    with pytest.raises(ConfigError, match="num_host_blocks: needs .* GiB of host memory"):
+        RankResources(config).open()
+    assert created == []
+    huge = WorkerConfig(
+        spec=KVCacheSpec(**{**spec.to_dict(), "num_blocks": (1 << 50) // spec.block_bytes}),
+        instance_id=instance,
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+    )
+    with pytest.raises(DeviceCacheError, match="GiB of shared memory"):
+        RankResources(huge).open()
+    assert created == [] and not list(SHM_DIR.glob(f"kvtier-{instance}-*"))

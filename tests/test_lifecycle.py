@@ -189,18 +189,10 @@ class _client:
 # ---- interrupts -------------------------------------------------------------------------------
 
 
-def _start_demo(tmpdir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start_demo(tmpdir: Path, *extra: str, instance: str = "") -> tuple[subprocess.Popen, str]:
     """`kvtier demo` in its own session (as a terminal runs it), TMPDIR private to the test;
     returns once it is serving (the first turn is done)."""
-    env = {**os.environ, "TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(tmpdir)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--turns", "50", *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = _spawn_demo(tmpdir, instance or _instance("demo"), *extra)
     lines = []
     for line in proc.stderr:
         lines.append(line)
@@ -209,35 +201,93 @@ def _start_demo(tmpdir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError("the demo never served a turn:\n" + "".join(lines))
 
 
+def _spawn_demo(tmpdir: Path, instance: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(tmpdir)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "demo", "--turns", "50", "--instance-id", instance]
+        + list(extra),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
 def _demo_children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_interrupting_the_demo_ends_it_in_about_a_second_leaving_nothing(tmp_path, figures, how):
-    shm_before = set(SHM_DIR.iterdir())
-    proc, _ = _start_demo(tmp_path)
-    workers = _demo_children(proc.pid)
-    assert len(workers) == 2
+def _nothing_left(tmp_path: Path, instance: str) -> None:
+    """No file, socket or directory in the test's TMPDIR / XDG_RUNTIME_DIR, nothing in /dev/shm
+    with this run's name (other programs' files there are none of this test's business)."""
+    shm_left = [p.name for p in SHM_DIR.iterdir() if instance in p.name]
+    assert not shm_left, f"left in /dev/shm: {shm_left}"
+    left = [
+        str(p.relative_to(tmp_path))
+        for p in tmp_path.rglob("*")
+        if not p.is_dir() or p.name.startswith(("kvtier-launch-", "kvtier-demo-"))
+    ]
+    assert not left, f"left behind: {left}"
+
+
+def _interrupt(proc: subprocess.Popen, how: str) -> float:
     start = time.monotonic()
     if how == "ctrl-c":
         os.killpg(proc.pid, signal.SIGINT)  # the terminal's SIGINT reaches the whole group
     else:
         proc.send_signal(signal.SIGTERM)
     proc.wait(30)
-    took = time.monotonic() - start
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupting_the_demo_ends_it_in_about_a_second_leaving_nothing(tmp_path, figures, how):
+    instance = _instance("demo")
+    proc, _ = _start_demo(tmp_path, instance=instance)
+    workers = _demo_children(proc.pid)
+    assert len(workers) == 2
+    took = _interrupt(proc, how)
     rest = proc.stderr.read()
     figures["exit_s"] = took
     assert proc.returncode == (130 if how == "ctrl-c" else 143), rest[-2000:]
     assert took < 2.0 + 1.0, f"took {took:.1f} s"  # 2 s promised; 1 s of slack for a busy CI
     _wait_gone(workers, 5)
-    demo_left = [p for p in set(SHM_DIR.iterdir()) - shm_before if "demo" in p.name]
-    assert not demo_left, "left in /dev/shm"  # (other runs on the machine may come and go)
-    left = [
-        str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() or p.is_socket()
-    ]
-    assert not left, f"left behind: {left}"
+    _nothing_left(tmp_path, instance)
+
+
+@pytest.mark.parametrize("moment", ["workers-spawned", "workers-serving", "during-cleanup"])
+def test_an_interrupt_at_any_moment_of_the_demo_leaves_nothing(tmp_path, figures, moment):
+    """Ctrl-C while the workers start (they used to be SIGKILLed, leaving their sockets and
+    locks), and a second Ctrl-C while the demo cleans up after the first (it used to leave its
+    store or the launch directory while saying "cleaned up")."""
+    instance = _instance("demo")
+    socket_dir = tmp_path / f"kvtier-{os.getuid()}"
+    if moment == "during-cleanup":
+        proc, _ = _start_demo(tmp_path, instance=instance)
+    else:
+        proc = _spawn_demo(tmp_path, instance)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if moment == "workers-spawned" and len(_demo_children(proc.pid)) == 2:
+                break
+            if moment == "workers-serving" and len(list(socket_dir.glob(f"{instance}*.sock"))) == 2:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+    workers = _demo_children(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    if moment == "during-cleanup":
+        time.sleep(0.05)  # the first interrupt's cleanup is running: interrupt it too
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(30)
+    rest = proc.stderr.read()
+    assert proc.returncode == 130, rest[-2000:]
+    assert "Traceback" not in rest, rest[-2000:]
+    _wait_gone(workers, 10)
+    _nothing_left(tmp_path, instance)
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import require_mooncake
-from kvtier.config import merge_storage_options, settings_from_env
+from kvtier.config import env_sources
+from kvtier.config_sources import Source, merge
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.host import HostPool
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
@@ -99,27 +100,28 @@ def test_master_restart_gives_unavailable_then_recovers() -> None:
 
 
 def test_config_from_dict_and_env() -> None:
-    """KVTIER_MOONCAKE_<FIELD> variables are read at the edge (kvtier.config, the CLI)."""
+    """KVTIER_MOONCAKE_<FIELD> variables are read at the edge (kvtier.config, the CLI), between
+    the YAML and the flags, as every other setting."""
     env = {
         "KVTIER_MOONCAKE_MASTER_ADDRESS": "10.0.0.1:5000",
         "KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE": "4096",
         "KVTIER_MOONCAKE_PROTOCOL": "rdma",
     }
-    _, options = settings_from_env(env)
-    merged = merge_storage_options({"backend": "mooncake", "protocol": "tcp"}, options)
+    flags = Source("flags", {"storage": {"backend": "mooncake", "protocol": "tcp"}})
+    merged = merge([*env_sources(env), flags]).values["storage"]
     cfg = MooncakeConfig.from_dict(merged)
     assert (cfg.master_address, cfg.global_segment_size, cfg.protocol) == (
         "10.0.0.1:5000",
         4096,
         "tcp",
-    )  # the mapping wins over the environment
+    )  # the flags win over the environment
     with pytest.raises(ConfigError, match="storage.protocol: got 'udp'"):
         MooncakeConfig.from_dict({"protocol": "udp"})
     with pytest.raises(ConfigError, match="storage.master_address: must be host:port"):
         MooncakeConfig.from_dict({"master_address": "nowhere"})
-    _, options = settings_from_env({"KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE": "big"})
+    sources = [*env_sources({"KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE": "big"}), flags]
     with pytest.raises(ConfigError, match="storage.global_segment_size: must be an integer"):
-        MooncakeConfig.from_dict(merge_storage_options({"backend": "mooncake"}, options))
+        MooncakeConfig.from_dict(merge(sources).values["storage"])
     with pytest.raises(ConfigError, match="storage.segment: unknown option"):
         MooncakeConfig.from_dict({"segment": 1})
 

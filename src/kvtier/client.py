@@ -30,8 +30,10 @@ import msgspec
 
 from kvtier import tasks as t
 from kvtier.auth import CurveKeys
+from kvtier.config import START_TIMEOUT_S
 from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
 from kvtier.fanin import ControlAnswer, TaskFuture, aggregate
+from kvtier.interrupts import deferred_interrupts
 from kvtier.launcher import Launch, end_worker, start_workers, worker_configs
 from kvtier.ranks import Rank
 from kvtier.spec import KVCacheSpec
@@ -42,8 +44,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 WORKER_TIMEOUT_S = 5.0
 TASK_TIMEOUT_S = 60.0
-START_TIMEOUT_S = 120.0
 CLOSE_TIMEOUT_S = 30.0
+INTERRUPTED_WAIT_S = 0.5  # a close cut short by Ctrl-C: workers get SIGTERM after this
 POLL_INTERVAL_S = 0.05
 HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
 
@@ -149,6 +151,7 @@ class Client:
         with the tail of every log.
         """
         instance_id = instance_id or uuid.uuid4().hex[:10]
+        worker_settings.setdefault("start_timeout_s", start_timeout_s)  # its wait for a hello
         configs = worker_configs(spec, world_size, storage, instance_id, ranks, worker_settings)
         launch = start_workers(configs, log_dir)
         return cls.from_launch(launch, start_timeout_s, **(client_options or {}))
@@ -169,13 +172,15 @@ class Client:
             client._launch = launch  # from now on close() removes the launch directory
             return client
         except WorkerError as e:
-            launch.kill()
-            summary, tails = launch.last_errors(), launch.log_tails()
-            launch.remove_directory()
+            with deferred_interrupts():
+                launch.kill()
+                summary, tails = launch.last_errors(), launch.log_tails()
+                launch.remove_directory()
             raise WorkerError(f"{e}{' (' + summary + ')' if summary else ''}\n{tails}") from None
         except BaseException:
-            launch.kill()
-            launch.remove_directory()
+            with deferred_interrupts():
+                launch.kill()
+                launch.remove_directory()
             raise
 
     def start(self, start_timeout_s: float = START_TIMEOUT_S) -> Client:
@@ -424,10 +429,17 @@ class Client:
         if shutdown_workers is None:
             shutdown_workers = any(r.process is not None for r in self._ranks)
         self._closing = True
+        interrupted = True
         try:
             if shutdown_workers:
                 self._shut_down_workers(timeout_s)
+            interrupted = False
         finally:
+            with deferred_interrupts():  # what the workers leave is removed whatever comes
+                self._release(INTERRUPTED_WAIT_S if interrupted else timeout_s)
+
+    def _release(self, timeout_s: float) -> None:
+        if self._thread is not None:
             self._end_processes(timeout_s)
             self._stop.set()
             self._thread.join(5)

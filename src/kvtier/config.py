@@ -1,7 +1,8 @@
 """WorkerConfig: everything a worker needs, validated once; built from YAML, env and flags.
 
-Precedence: command-line flags > ``KVTIER_*`` environment variables > the YAML file > defaults.
-Errors are ``ConfigError`` naming the field. This module and the CLI are the only places that
+Precedence, field by field: command-line flags (or call arguments) > ``KVTIER_*`` environment
+variables > the YAML file > defaults (``kvtier.config_sources``). Errors are ``ConfigError``
+naming the field and where its value came from. This module and the CLI are the only places that
 read the process environment: library code takes the validated config.
 """
 
@@ -13,13 +14,14 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvtier.config_sources import Source, merge, refuse_unknown
 from kvtier.errors import ConfigError
 from kvtier.spec import KVCacheSpec
 
@@ -30,6 +32,7 @@ MOONCAKE_ENV_PREFIX = "KVTIER_MOONCAKE_"
 DEVICE_CACHE_MODES = ("attach", "create")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENGINE_TIMEOUT_S = 30.0  # the old system waited 600 s before an orphaned manager gave up
+START_TIMEOUT_S = 120.0  # an engine's start (vLLM loads weights before its first hello)
 LOCAL_SCHEME = "local://"  # in-process transport (tests, single-process engines)
 
 
@@ -76,7 +79,8 @@ class WorkerConfig:
     model_dir: str | None = None
     version: str | None = None  # None: read <model_dir>/version.yaml
     endpoint: str = ""  # default: ipc:// socket in a 0700 directory
-    engine_timeout_s: float = ENGINE_TIMEOUT_S
+    engine_timeout_s: float = ENGINE_TIMEOUT_S  # silence after the engine's first hello
+    start_timeout_s: float = START_TIMEOUT_S  # exit when no engine has said hello by then
     free_host_pool_on_sleep: bool = False
     metrics_port: int | None = None  # Prometheus exporter on 127.0.0.1 (0: any free port)
     log_level: str = "INFO"
@@ -101,8 +105,10 @@ class WorkerConfig:
         _int_at_least("staging_blocks", self.staging_blocks, 1)
         if not isinstance(self.storage, Mapping):
             raise ConfigError("storage", "must be a mapping with a 'backend' key")
-        if not isinstance(self.engine_timeout_s, (int, float)) or self.engine_timeout_s <= 0:
-            raise ConfigError("engine_timeout_s", f"must be > 0, got {self.engine_timeout_s!r}")
+        for name in ("engine_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(name, f"must be a number > 0, got {value!r}")
         if self.endpoint and not self.endpoint.startswith(
             ("ipc:///", "tcp://127.", "tcp://[::1]", LOCAL_SCHEME)
         ):
@@ -150,10 +156,7 @@ class WorkerConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown worker setting; allowed: {sorted(known)}")
+        refuse_unknown(data, (f.name for f in dataclasses.fields(cls)), what="worker setting")
         if "spec" not in data:
             raise ConfigError("spec", "is required (a mapping, or the old engine's cache flags)")
         if "instance_id" not in data:
@@ -167,23 +170,37 @@ class WorkerConfig:
 def load_config(
     yaml_path: str | Path | None, overrides: Mapping[str, Any], environ: Mapping[str, str]
 ) -> WorkerConfig:
-    """YAML file, then ``KVTIER_<FIELD>`` variables, then ``overrides`` (the flags) win."""
-    data: dict[str, Any] = {}
-    if yaml_path:
-        try:
-            with open(yaml_path) as f:
-                loaded = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError("config", f"cannot read {yaml_path}: {e}") from None
-        if not isinstance(loaded, Mapping):
-            raise ConfigError("config", f"{yaml_path} must hold a mapping")
-        data.update(loaded)
-    env_settings, storage_options = settings_from_env(environ)
-    data.update(env_settings)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    if storage_options or "storage" in data:
-        data["storage"] = merge_storage_options(data.get("storage") or {}, storage_options)
-    return WorkerConfig.from_dict(data)
+    """The YAML file, then ``KVTIER_<FIELD>`` variables, then ``overrides`` (the flags), field
+    by field (see ``kvtier.config_sources``)."""
+    sources = [yaml_source(yaml_path)] if yaml_path else []
+    flags = Source("flags", overrides, labels=_flag_labels(overrides))
+    return resolve([*sources, *env_sources(environ), flags])
+
+
+def resolve(sources: Sequence[Source]) -> WorkerConfig:
+    """The WorkerConfig of ``sources`` merged in order; a ConfigError names the value's source."""
+    merged = merge(sources)
+    try:
+        return WorkerConfig.from_dict(merged.values)
+    except ConfigError as e:
+        raise merged.explain(e) from None
+
+
+def yaml_source(path: str | Path) -> Source:
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError("config", f"cannot read {path}: {e}") from None
+    if not isinstance(loaded, Mapping):
+        raise ConfigError("config", f"{path} must hold a mapping")
+    return Source(str(path), loaded)
+
+
+def _flag_labels(overrides: Mapping[str, Any]) -> dict[str, str]:
+    labels = {key: "--" + key.replace("_", "-") for key in overrides}
+    labels.update({"storage.backend": "--storage-backend", "storage.root": "--storage-root"})
+    return labels
 
 
 # KVTIER_* variables read elsewhere (not worker settings): the MAC key (kvtier.storage), the
@@ -191,45 +208,43 @@ def load_config(
 NOT_SETTINGS = frozenset({"KVTIER_STORAGE_MAC_KEY", "KVTIER_BIND_HOST", "KVTIER_TESTS_REQUIRE"})
 
 
-def settings_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(worker settings, storage options) from the environment.
+def env_sources(environ: Mapping[str, str]) -> list[Source]:
+    """The environment as sources: worker settings, and Mooncake options.
 
     ``KVTIER_<FIELD>`` sets a worker setting (``spec`` and ``storage`` as YAML or JSON mappings);
-    ``KVTIER_STORAGE_BACKEND`` and ``KVTIER_MOONCAKE_<OPTION>`` are storage options. Variables
-    that name no setting are reported with one warning each.
+    ``KVTIER_STORAGE_BACKEND`` sets ``storage.backend``; ``KVTIER_MOONCAKE_<OPTION>`` sets
+    ``storage.<option>`` when the storage is Mooncake (and is ignored otherwise). Variables that
+    name no setting are reported with one warning each.
     """
     fields = {f.name: f.type for f in dataclasses.fields(WorkerConfig)}
     data: dict[str, Any] = {}
-    storage: dict[str, Any] = {}
-    for name, text in environ.items():
+    labels: dict[str, str] = {}
+    mooncake: dict[str, Any] = {}
+    for name, text in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if name.startswith(MOONCAKE_ENV_PREFIX):
-            storage[name[len(MOONCAKE_ENV_PREFIX) :].lower()] = _scalar(text)
+            option = name[len(MOONCAKE_ENV_PREFIX) :].lower()
+            mooncake[option] = _scalar(text)
+            labels[f"storage.{option}"] = name
         elif key == "storage_backend":
-            storage["backend"] = text
+            data.setdefault("storage", {})["backend"] = text
+            labels["storage.backend"] = name
         elif key in ("spec", "storage"):
-            data[key] = _mapping(name, text)
+            data[key] = {**_mapping(name, text), **data.get(key, {})}
+            labels[key] = name
         elif key in fields:
             data[key] = _coerce(key, text, fields[key])
+            labels[key] = name
         else:
             log.warning(
                 "%s is not a kvtier setting and is ignored; see `kvtier serve --help`", name
             )
-    return data, storage
-
-
-def merge_storage_options(storage: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
-    """``storage`` with per-option environment values: ``backend`` from the environment wins;
-    Mooncake options fill only what the mapping leaves out (the mapping wins)."""
-    merged = dict(storage)
-    if "backend" in options:
-        merged["backend"] = options["backend"]
-    if merged.get("backend") == "mooncake":
-        for key, value in options.items():
-            merged.setdefault(key, value)
-    return merged
+    sources = [Source("the environment", data, labels)]
+    if mooncake:
+        sources.append(Source("the environment", {"storage": mooncake}, labels, "mooncake"))
+    return sources
 
 
 def _mapping(name: str, text: str) -> dict[str, Any]:

@@ -386,16 +386,22 @@ class CudaBlockCopier(_StagedCopier):
 
 
 _warned_fallback = False
+NO_NATIVE_COPIER = (
+    "kvtier._copy is not built (no C compiler at install time): using the two-pass torch "
+    "copier, about half as fast; reinstall with a compiler for the native one"
+)
+
+
+def native_copier_missing() -> str | None:
+    """What to tell the user when the native CPU copier is not built (None when it is)."""
+    return NO_NATIVE_COPIER if _copy is None else None
 
 
 def _warn_no_native_copier() -> None:
     global _warned_fallback
     if not _warned_fallback:
         _warned_fallback = True
-        log.warning(
-            "kvtier._copy is not built (no C compiler at install time): using the two-pass "
-            "torch copier, about half as fast; reinstall with a compiler for the native one"
-        )
+        log.warning(NO_NATIVE_COPIER)
 
 
 def make_copier(

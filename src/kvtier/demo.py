@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import os
 import shutil
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +29,9 @@ from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
 from kvtier.errors import ConfigError
 from kvtier.index import CacheIndex, Plan, SaveHostEviction, SwapOutEviction, Tier
+from kvtier.interrupts import CleanupStack
 from kvtier.spec import CacheDType, KVCacheSpec
+from kvtier.table import printable
 from kvtier.tasks import Result
 
 
@@ -227,10 +231,11 @@ def run(
     use_storage: bool = True,
     write_policy: str = "write_through",
     progress: bool = True,
+    instance_id: str | None = None,
 ) -> dict[str, Any]:
     """Serve the workload once; returns the tally. Leaves nothing behind."""
     spec = w.spec()
-    instance = f"demo{uuid.uuid4().hex[:8]}"
+    instance = instance_id or f"demo{uuid.uuid4().hex[:8]}"
     index = CacheIndex(
         w.block_size,
         w.device_blocks,
@@ -240,7 +245,7 @@ def run(
         use_host=use_host,
     )
     start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
+    with CleanupStack() as stack:
         caches = [
             stack.enter_context(DeviceCache.create(spec, cache_name(instance, r)))
             for r in range(ranks)
@@ -283,6 +288,31 @@ def check_ranks(ranks: int) -> None:
         raise ConfigError("ranks", f"must be an integer in 1..{MAX_RANKS}, got {ranks!r}")
 
 
+STORE_ENTRIES = frozenset({"objects", "tmp"})  # what a file store's root holds
+
+
+def check_keep_store(path: Path) -> None:
+    """``--keep-store`` takes a new or empty directory, or a kvtier file store (an earlier
+    ``--keep-store``): never a directory of other things, which the store would write into."""
+    try:
+        entries = sorted(os.listdir(path))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise ConfigError("keep_store", f"{path} is not a directory") from None
+    except OSError as e:
+        raise ConfigError("keep_store", f"cannot read {path}: {e.strerror}") from None
+    strangers = [name for name in entries if name not in STORE_ENTRIES]
+    if strangers or (entries and "objects" not in entries):
+        shown = ", ".join(printable(n) for n in (strangers or entries)[:3])
+        raise ConfigError(
+            "keep_store",
+            f"{path} is not empty and not a kvtier file store (it holds {shown}"
+            f"{', ...' if len(strangers) > 3 else ''}): give a new or empty directory, or one "
+            "an earlier --keep-store made",
+        )
+
+
 def run_demo(
     w: Workload,
     backend: str,
@@ -291,12 +321,15 @@ def run_demo(
     mooncake: dict | None = None,
     write_policy: str = "write_through",
     progress: bool = True,
+    instance_id: str | None = None,
 ) -> dict[str, Any]:
     """The demo: a file store in a temporary directory (or ``keep_store``), a memory store, or
     Mooncake (``mooncake`` options, or a master and storage node started on loopback). Leaves
     nothing behind unless ``keep_store``, also when interrupted."""
     check_ranks(ranks)
-    with contextlib.ExitStack() as stack:
+    if keep_store is not None:
+        check_keep_store(Path(keep_store))
+    with CleanupStack() as stack:
         if backend == "file":
             root = keep_store or tempfile.mkdtemp(prefix="kvtier-demo-")
             if keep_store is None:
@@ -309,7 +342,9 @@ def run_demo(
             }
         else:
             storage = {"backend": backend}
-        result = run(w, storage, ranks, write_policy=write_policy, progress=progress)
+        result = run(
+            w, storage, ranks, write_policy=write_policy, progress=progress, instance_id=instance_id
+        )
         result["backend"] = backend
         return result
     raise AssertionError("unreachable")

@@ -81,24 +81,38 @@ def reclaim_sockets(directory: Path) -> list[str]:
     except OSError:
         return removed
     for lock in locks:
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live worker
-            _unlink_socket(lock.with_name(lock.name[: -len(LOCK_SUFFIX)]))
-            os.unlink(lock)
+        if _reclaim(lock):
             removed.append(lock.name[: -len(LOCK_SUFFIX)])
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
     if removed:
         log.warning("removed %d socket(s) of workers that died: %s", len(removed), removed[:5])
     return removed
+
+
+def reclaim_endpoint(address: str) -> bool:
+    """Remove an ``ipc://`` worker's socket and lock if no live worker holds them (a worker
+    that was killed); True when removed. Another live worker's are never touched."""
+    if not address.startswith("ipc://"):
+        return False
+    path = Path(address[len("ipc://") :])
+    return _reclaim(path.with_name(path.name + LOCK_SUFFIX))
+
+
+def _reclaim(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live worker
+        _unlink_socket(lock.with_name(lock.name[: -len(LOCK_SUFFIX)]))
+        os.unlink(lock)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -35,6 +35,7 @@ class ConfigError(KvtierError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
 
 
 class InvalidInput(KvtierError, ValueError):

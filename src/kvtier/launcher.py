@@ -28,8 +28,10 @@ from typing import Any
 import yaml
 
 from kvtier import shm
-from kvtier.config import ENGINE_TIMEOUT_S, WorkerConfig, default_socket_dir
-from kvtier.endpoint import reclaim_sockets
+from kvtier.config import WorkerConfig, default_socket_dir, env_sources, resolve
+from kvtier.config_sources import Source
+from kvtier.endpoint import reclaim_endpoint, reclaim_sockets
+from kvtier.interrupts import deferred_interrupts
 from kvtier.spec import KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -75,11 +77,15 @@ class Launch:
         return "; ".join(found)
 
     def kill(self) -> None:
+        """SIGKILL every worker, then remove what they could not: sockets, locks, shm files."""
         for p in self.processes:
             if p.poll() is None:
                 p.kill()
         for p in self.processes:
             p.wait()
+        for endpoint in self.endpoints[: len(self.processes)]:
+            reclaim_endpoint(endpoint)
+        shm.reclaim_orphans()
 
     def remove_directory(self) -> None:
         if self.directory is not None:
@@ -97,10 +103,12 @@ def worker_configs(
     instance_id: str,
     ranks: Sequence[int] | None,
     settings: dict[str, Any],
+    source: str = "Client.launch",
 ) -> list[WorkerConfig]:
-    """Validated configs of the ranks to launch (all of them unless ``ranks``)."""
+    """Validated configs of the ranks to launch (all of them unless ``ranks``): the
+    ``KVTIER_*`` environment, then the arguments (``source`` names them in errors), field by
+    field, as ``kvtier serve`` merges its environment and flags."""
     settings = dict(settings)
-    settings.setdefault("engine_timeout_s", ENGINE_TIMEOUT_S)
     base_port = settings.pop("metrics_port", None)
     configs = []
     for rank in range(world_size) if ranks is None else ranks:
@@ -109,19 +117,16 @@ def worker_configs(
             per_rank["metrics_port"] = base_port + rank if base_port else 0
         if str(settings.get("endpoint", "")).startswith("tcp://"):
             per_rank["endpoint"] = _tcp_for_rank(settings["endpoint"], rank)
-        configs.append(
-            WorkerConfig.from_dict(
-                {
-                    "spec": spec,
-                    "instance_id": instance_id,
-                    "rank": rank,
-                    "world_size": world_size,
-                    "storage": storage or {"backend": "file"},
-                    "parent_pid": os.getpid(),
-                    **per_rank,
-                }
-            )
-        )
+        given = {
+            "spec": spec,
+            "instance_id": instance_id,
+            "rank": rank,
+            "world_size": world_size,
+            "storage": storage,
+            "parent_pid": os.getpid(),
+            **per_rank,
+        }
+        configs.append(resolve([*env_sources(os.environ), Source(source, given)]))
     return configs
 
 
@@ -148,7 +153,8 @@ def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> La
     """Write the configs and start one ``kvtier serve`` per config. On failure nothing runs."""
     reclaim_orphans()
     launch = Launch(configs)
-    launch.directory, launch.lock_fd = _private_directory(configs[0].instance_id)
+    with deferred_interrupts():  # a directory without its lock would never be reclaimed
+        launch.directory, launch.lock_fd = _private_directory(configs[0].instance_id)
     try:
         for cfg in configs:
             path = launch.directory / f"rank{cfg.rank}.yaml"
@@ -157,7 +163,8 @@ def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> La
             with open(log_path, "ab") as out:
                 launch.processes.append(
                     subprocess.Popen(
-                        [sys.executable, "-c", SERVE_COMMAND, "serve", "--config", str(path)],
+                        [sys.executable, "-c", SERVE_COMMAND, "serve", "--config-is-complete"]
+                        + ["--config", str(path)],
                         stdout=out,
                         stderr=out,
                         stdin=subprocess.DEVNULL,
@@ -166,8 +173,9 @@ def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> La
                 )
             launch.log_paths.append(log_path)
     except BaseException:
-        launch.kill()
-        launch.remove_directory()
+        with deferred_interrupts():
+            launch.kill()
+            launch.remove_directory()
         raise
     return launch
 
@@ -189,10 +197,7 @@ def end_worker(process: subprocess.Popen, endpoint: str, wait_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint[len("ipc://") :])
-        path.unlink(missing_ok=True)
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+    reclaim_endpoint(endpoint)  # a killed worker's; never another live worker's
 
 
 def _private_directory(instance_id: str) -> tuple[Path, int]:

@@ -17,10 +17,11 @@ import logging
 import re
 from dataclasses import dataclass, field
 
+from kvtier import shm
 from kvtier.config import WorkerConfig
 from kvtier.datapath import DataPath
 from kvtier.device import DeviceCache
-from kvtier.host import HostLayout, HostPool
+from kvtier.host import HostLayout, HostPool, check_memory_available
 from kvtier.keys import KeyScheme, read_weight_version
 from kvtier.storage import make_backend
 from kvtier.storage.base import StorageBackend
@@ -95,6 +96,7 @@ class RankResources:
     def open(self) -> RankResources:
         """Device cache, host pool, storage, data path; on failure nothing stays allocated."""
         cfg = self.config
+        self._check_sizes()
         try:
             if cfg.device_cache_mode == "create":
                 self.device_cache = DeviceCache.create(cfg.spec, cfg.device_cache_name, cfg.device)
@@ -107,6 +109,13 @@ class RankResources:
             self.close()
             raise
         return self
+
+    def _check_sizes(self) -> None:
+        """Every size against what the machine has, before anything is allocated."""
+        cfg = self.config
+        check_memory_available(cfg.spec.host_bytes(self.layout.total_blocks), "num_host_blocks")
+        if cfg.device_cache_mode == "create" and cfg.device == "cpu":
+            shm.check_space(cfg.spec.device_bytes, f"device cache {cfg.device_cache_name!r}")
 
     # ---- versions ---------------------------------------------------------------------------
 

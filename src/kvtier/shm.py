@@ -121,6 +121,16 @@ def reserve(fd: int, size_bytes: int, what: str) -> None:
         raise
 
 
+def check_space(size_bytes: int, what: str) -> None:
+    """DeviceCacheError when ``size_bytes`` cannot fit in /dev/shm's free space now."""
+    free = free_bytes(SHM_DIR)
+    if size_bytes > free:
+        raise DeviceCacheError(
+            f"{what} needs {size_bytes / 2**30:.2f} GiB of shared memory but {SHM_DIR} has "
+            f"{free / 2**30:.2f} GiB free: use fewer blocks or free /dev/shm"
+        )
+
+
 def free_bytes(directory: Path) -> int:
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize

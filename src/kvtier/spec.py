@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import yaml
 
+from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -308,12 +309,7 @@ class KVCacheSpec:
         """Build from a mapping (YAML, JSON); unknown keys are an error naming them."""
         if not isinstance(data, Mapping):
             raise ConfigError("spec", f"must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                unknown[0], f"unknown spec field; allowed: {', '.join(sorted(known))}"
-            )
+        refuse_unknown(data, (f.name for f in dataclasses.fields(cls)), what="spec field")
         missing = [
             f.name
             for f in dataclasses.fields(cls)

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from kvtier.cli_args import positive_number
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import age, render, size
 
@@ -48,13 +49,15 @@ def add_status(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-key-file", help="the instance secret, for tcp:// endpoints")
     p.add_argument(
         "--watch",
-        type=float,
+        type=positive_number,
         nargs="?",
         const=2.0,
         metavar="SECONDS",
         help="refresh in place every SECONDS (2 when given alone) until Ctrl-C",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for answers")
+    p.add_argument(
+        "--timeout", type=positive_number, default=10.0, help="seconds to wait for answers"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per rank")
     p.set_defaults(func=_status)
 

@@ -16,8 +16,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from kvtier.cli_args import byte_size, duration
 from kvtier.errors import ConfigError
-from kvtier.table import age, parse_duration, parse_size, print_table, printable, size
+from kvtier.table import age, print_table, printable, size
 
 
 def add_store(sub, common: argparse.ArgumentParser) -> None:
@@ -65,8 +66,12 @@ def add_store(sub, common: argparse.ArgumentParser) -> None:
     gc.add_argument("--namespace", action="append", default=[], help="repeatable")
     gc.add_argument("--version", action="append", default=[], help="weight version; repeatable")
     gc.add_argument("--fingerprint", action="append", default=[], help="layout; repeatable")
-    gc.add_argument("--older-than", help="last used longer ago than this: 90s, 30m, 12h, 7d")
-    gc.add_argument("--capacity", help="then evict LRU down to this size: 500M, 10G")
+    gc.add_argument(
+        "--older-than", type=duration, help="last used longer ago than this: 90s, 30m, 12h, 7d"
+    )
+    gc.add_argument(
+        "--capacity", type=byte_size(0), help="then evict LRU down to this size: 500M, 10G"
+    )
     gc.add_argument("--dry-run", action="store_true", help="show what would go, remove nothing")
     gc.add_argument("--mooncake-master", help="host:port: gc a Mooncake store instead")
     gc.add_argument("--mooncake-metadata", help="that master's metadata server URL")
@@ -239,11 +244,7 @@ def _gc(args: argparse.Namespace) -> int:
         raise ConfigError("root", "give a file store directory, or --mooncake-master HOST:PORT")
     from kvtier.storage.file_admin import Selection, remove, select
 
-    try:
-        older = parse_duration(args.older_than) if args.older_than else None
-        capacity = parse_size(args.capacity) if args.capacity else None
-    except ValueError as e:
-        raise ConfigError("older_than" if "duration" in str(e) else "capacity", str(e)) from None
+    older, capacity = args.older_than, args.capacity  # parsed by the options' types
     selection = Selection(
         frozenset(args.namespace),
         frozenset(args.version),
@@ -278,7 +279,7 @@ def _gc_mooncake(args: argparse.Namespace) -> int:
     unsupported = [
         f"--{name.replace('_', '-')}"
         for name in ("older_than", "capacity", "dry_run")
-        if getattr(args, name)
+        if getattr(args, name) not in (None, False)
     ]
     if unsupported:
         raise ConfigError(

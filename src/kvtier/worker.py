@@ -75,6 +75,7 @@ class Worker:
         self._stop = threading.Event()
         self._shutdown_request: tuple[Peer, int] | None = None
         self._last_heard = time.monotonic()
+        self._greeted = False  # an engine's hello was accepted: silence counts from then
         self.peers = PeerTable(self.rank)
         self._pending: dict[Future, Item] = {}
         self._busy: Counter = Counter()  # per direction: submitted, not finished
@@ -200,7 +201,13 @@ class Worker:
 
     def _engine_gone(self) -> str:
         silent = time.monotonic() - self._last_heard
-        if silent > self.config.engine_timeout_s:
+        if not self._greeted:  # still starting: the engine may take long to say hello
+            if silent > self.config.start_timeout_s:
+                return (
+                    f"no engine said hello within {silent:.1f} s of serving "
+                    f"(start_timeout_s={self.config.start_timeout_s:.1f})"
+                )
+        elif silent > self.config.engine_timeout_s:
             return (
                 f"nothing from the engine for {silent:.1f} s "
                 f"(engine_timeout_s={self.config.engine_timeout_s:.1f})"
@@ -286,6 +293,7 @@ class Worker:
         accepted, message = self.peers.hello(peer, hello)
         if accepted and not hello.observer:
             self._last_heard = time.monotonic()
+            self._greeted = True
         welcome = t.Welcome(
             protocol_version=t.PROTOCOL_VERSION,
             rank=self.rank,

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,12 +70,7 @@ def validate_storage_config(config: Mapping[str, Any]) -> None:
 
 
 def _memory_options(options: Mapping[str, Any]) -> int | None:
-    unknown = sorted(set(options) - set(MEMORY_OPTIONS))
-    if unknown:
-        raise ConfigError(
-            f"storage.{unknown[0]}",
-            f"unknown option for the memory backend; allowed: {list(MEMORY_OPTIONS)}",
-        )
+    refuse_unknown(options, MEMORY_OPTIONS, "storage.", "option for the memory backend")
     capacity = options.get("capacity_bytes")
     if capacity is not None and (
         isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0

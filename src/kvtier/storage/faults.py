@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageUsage
 
@@ -38,12 +39,7 @@ class FaultConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FaultConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"storage.faults.{unknown[0]}", f"unknown fault option; allowed: {sorted(known)}"
-            )
+        refuse_unknown(data, (f.name for f in fields(cls)), "storage.faults.", "fault option")
         return cls(**dict(data))
 
 

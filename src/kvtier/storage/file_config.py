@@ -9,6 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 
@@ -51,13 +52,8 @@ class FileStoreConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FileStoreConfig:
-        allowed = {"root", "capacity_bytes", "fsync", "io_threads", "permissions"}
-        unknown = sorted(set(data) - allowed - {"backend"})
-        if unknown:
-            raise ConfigError(
-                f"storage.{unknown[0]}",
-                f"unknown option for the file backend; allowed: {sorted(allowed)}",
-            )
+        allowed = {"backend", "root", "capacity_bytes", "fsync", "io_threads", "permissions"}
+        refuse_unknown(data, allowed, "storage.", "option for the file backend")
         capacity = data.get("capacity_bytes")
         if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
             raise ConfigError(

@@ -12,6 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError, StorageError, StorageUnavailable
 
 log = logging.getLogger("kvtier.storage.mooncake")
@@ -61,12 +62,7 @@ class MooncakeConfig:
         """From a mapping (``KVTIER_MOONCAKE_<FIELD>`` variables are merged in at the edge, by
         ``kvtier.config``)."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"backend"})
-        if unknown:
-            raise ConfigError(
-                f"storage.{unknown[0]}",
-                f"unknown option for the mooncake backend; allowed: {sorted(known)}",
-            )
+        refuse_unknown(data, known | {"backend"}, "storage.", "option for the mooncake backend")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

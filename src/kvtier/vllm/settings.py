@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
+from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 PREFIX = "kv_connector_extra_config"
@@ -30,7 +31,7 @@ class ConnectorSettings:
     - ``log_dir``: keep the kvtier workers' logs there (default: removed at shutdown).
     """
 
-    storage: dict[str, Any] = field(default_factory=lambda: {"backend": "file"})
+    storage: dict[str, Any] | None = None  # None: KVTIER_STORAGE*, else the file store
     namespace: str | None = None
     version: str | None = None
     model_dir: str | None = None
@@ -45,12 +46,7 @@ class ConnectorSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         data = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"{PREFIX}.{unknown[0]}", f"unknown kvtier setting; allowed: {sorted(known)}"
-            )
+        refuse_unknown(data, (f.name for f in fields(cls)), f"{PREFIX}.", "kvtier setting")
         settings = cls(**data)
         settings.check()
         return settings
@@ -58,9 +54,10 @@ class ConnectorSettings:
     def check(self) -> None:
         from kvtier.storage import validate_storage_config
 
-        if not isinstance(self.storage, Mapping):
-            raise ConfigError(f"{PREFIX}.storage", "must be a mapping with a 'backend' key")
-        validate_storage_config(self.storage)
+        if self.storage is not None:
+            if not isinstance(self.storage, Mapping):
+                raise ConfigError(f"{PREFIX}.storage", "must be a mapping with a 'backend' key")
+            validate_storage_config(self.storage)
         for name in ("start_timeout_s", "task_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

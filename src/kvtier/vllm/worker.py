@@ -31,6 +31,7 @@ from kvtier.launcher import Launch, start_workers, worker_configs
 from kvtier.spec import Part
 from kvtier.vllm.layout import layer_order, spec_and_layout
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec
+from kvtier.vllm.settings import PREFIX
 from kvtier.vllm.stats import KvtierConnectorStats
 
 log = logging.getLogger(__name__)
@@ -108,11 +109,12 @@ class WorkerSide:
             "staging_blocks": s.staging_blocks,
             "version": s.version,
             "model_dir": s.model_dir,
+            "start_timeout_s": s.start_timeout_s,  # vLLM says hello after loading its weights
         }
         if s.metrics_port is not None:
             settings["metrics_port"] = s.metrics_port
         configs = worker_configs(
-            self.spec, self.world_size, dict(s.storage), self.instance, [self.rank], settings
+            self.spec, self.world_size, s.storage, self.instance, [self.rank], settings, PREFIX
         )
         self.launch = start_workers(configs, s.log_dir)
 

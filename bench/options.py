@@ -1,0 +1,114 @@
+"""The options of every benchmark, apart from the benchmarks: ``kvtier bench NAME --help``
+and a bad value answer at once, without importing torch (10-15 s on a busy machine)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.cli_args import COUNT, SEED, SIZE, integer, plot_file
+
+
+def copy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--block-sizes", default="16,64", help="tokens per block, comma-separated")
+    p.add_argument(
+        "--num-blocks",
+        default=None,
+        help="blocks per call, comma-separated (default 16,256,1024: about 4 GiB at once; "
+        "--large: 16,256,2048,4096)",
+    )
+    p.add_argument("--large", action="store_true", help="the larger sweep (about 17 GiB)")
+    p.add_argument("--layers", type=COUNT, default=8)
+    p.add_argument("--heads", type=COUNT, default=8)
+    p.add_argument("--head-dim", type=COUNT, default=128)
+    p.add_argument("--runs", type=COUNT, default=5, help="timed runs per figure (median)")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument(
+        "--plot", type=plot_file, metavar="FILE", help="draw GB/s against N beside the limit (PNG)"
+    )
+    p.add_argument(
+        "--storage",
+        action="store_true",
+        help="also time a file-store load into device blocks (a worker's load path) beside "
+        "the warm file-store load of the same objects into host memory",
+    )
+
+
+def storage_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default="file,mooncake", help="comma-separated")
+    p.add_argument("--sizes", default="1,8", help="object sizes in MiB: 1 and/or 8")
+    p.add_argument(
+        "--bytes-per-run",
+        type=SIZE,
+        default=512 << 20,
+        help="bytes per timed save/load: 512M, 1G, 4096 (N = this / object size)",
+    )
+    p.add_argument("--runs", type=COUNT, default=5)
+    p.add_argument("--root", default=None, help="file store directory (default: a temp dir)")
+    p.add_argument("--fsync", default="none", choices=["none", "data", "full"])
+    p.add_argument("--io-threads", type=COUNT, default=4)
+    p.add_argument(
+        "--mooncake-master",
+        default=None,
+        help="host:port of a running master (default: start one on loopback)",
+    )
+    p.add_argument("--mooncake-metadata", default=None, help="its metadata server URL")
+    p.add_argument(
+        "--mac",
+        default="off",
+        choices=["off", "on", "both"],
+        help="authenticated objects (keyed BLAKE3 MAC): off, on, or both to see the cost",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--plot", type=plot_file, metavar="FILE", help="draw GB/s per object size beside raw (PNG)"
+    )
+
+
+def e2e_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=COUNT, default=2, help="worker ranks (tensor parallel)")
+    p.add_argument("--users", type=COUNT, default=16, help="concurrent chat users")
+    p.add_argument("--turns", type=COUNT, default=6, help="turns per user")
+    p.add_argument("--device-blocks", type=COUNT, default=160, help="device cache blocks")
+    p.add_argument("--host-blocks", type=integer(0), default=256, help="host pool blocks")
+    p.add_argument("--seed", type=SEED, default=0, help="workload random seed")
+    p.add_argument("--runs", type=COUNT, default=3, help="runs per configuration (median)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument(
+        "--plot", type=plot_file, metavar="FILE", help="draw where prefill tokens came from (PNG)"
+    )
+
+
+def latency_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=COUNT, default=2)
+    p.add_argument("--n", type=COUNT, default=3000, help="round trips per measurement")
+    p.add_argument(
+        "--transport",
+        choices=["ipc", "tcp"],
+        default="ipc",
+        help="ipc:// sockets (default) or tcp://127.0.0.1 with an instance secret",
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def vllm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", type=COUNT, default=4, help="prompts per run")
+    p.add_argument("--prompt-tokens", type=COUNT, default=2040, help="tokens per prompt")
+    p.add_argument("--shared-tokens", type=integer(0), default=0, help="leading tokens all share")
+    p.add_argument("--reps", type=COUNT, default=5, help="repetitions (medians reported)")
+    p.add_argument("--load-mode", default="async", choices=["async", "sync"], help="connector")
+    p.add_argument("--hidden", type=COUNT, default=512, help="hidden size of the random Llama")
+    p.add_argument("--model", help="a model directory (default: build a random Llama)")
+    p.add_argument("--store", help="file store directory (default: a temporary one)")
+    p.add_argument("--no-storage-reference", action="store_true", help="skip the storage row")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+
+
+ARGUMENTS = {
+    "copy": copy_arguments,
+    "storage": storage_arguments,
+    "e2e": e2e_arguments,
+    "latency": latency_arguments,
+    "vllm": vllm_arguments,
+}
