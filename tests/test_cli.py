@@ -216,6 +216,8 @@ def test_every_cli_error_is_one_line_that_names_the_field(tmp_path) -> None:
     _one_line_error(demo("--ranks", "0"), "ranks: must be an integer >= 1")
     _one_line_error(demo("--ranks", "65"), "ranks: must be an integer in 1..64")
     _one_line_error(demo("--users", "10000000000"), "users: must be an integer")
+    # A prompt longer than the device cache: refused at once (it failed at turn 17 of 50).
+    _one_line_error(demo("--turns", "50"), "turns: the last turn's prompt is 432 blocks", "16")
     # Larger than /dev/shm: refused before anything is mapped (it used to die of SIGBUS).
     _one_line_error(demo("--device-blocks", "4000000"), "needs", "GiB of shared memory", "free")
     # Larger than the memory available: refused by the worker before it allocates.

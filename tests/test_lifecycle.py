@@ -204,7 +204,7 @@ def _start_demo(tmpdir: Path, *extra: str, instance: str = "") -> tuple[subproce
 def _spawn_demo(tmpdir: Path, instance: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(tmpdir)}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--turns", "50", "--instance-id", instance]
+        [sys.executable, "-m", "kvtier.cli", "demo", "--turns", "16", "--instance-id", instance]
         + list(extra),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

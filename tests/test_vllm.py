@@ -147,6 +147,11 @@ def test_a_fresh_engine_process_hits_the_same_store(reference, single, model, st
     restart = phases["restart"]
     assert restart["tokens"] == reference["reference"]["tokens"]
     assert external_hits(restart) > 0
+    # Everything was stored: nothing is written again, and the counters say so (they said
+    # 640 saved tokens beside 0 bytes written).
+    delta = restart["delta"]
+    assert delta.get("kvtier_saved_tokens", 0) == 0 and delta.get("kvtier_save_bytes", 0) == 0
+    assert delta.get("kvtier_skipped_tokens", 0) > 0
 
 
 def test_tensor_parallel_2_in_vllms_multiprocess_mode(reference, model, tmp_path) -> None:

@@ -145,7 +145,7 @@ class DataPath:
             return self._save_direct(task, storage_keys, dev)
         staging = self._save_staging
         try:
-            done = self.storage.exists_prefix(storage_keys)  # already stored: skipped
+            done = skipped = self.storage.exists_prefix(storage_keys)  # already stored
             moved = 0
             while done < len(storage_keys):
                 chunk = slice(done, min(len(storage_keys), done + staging.size))
@@ -163,7 +163,7 @@ class DataPath:
                     break
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
-        return _prefix_outcome(task.device_block_ids, done, moved, "stored")
+        return _prefix_outcome(task.device_block_ids, done, moved, "stored", skipped)
 
     def _save_direct(self, task: Save, storage_keys: list[str], dev: np.ndarray) -> Outcome:
         """CPU cache: write each object straight from the device block's pieces (hashed there,
@@ -176,7 +176,8 @@ class DataPath:
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         moved = sum(ok) * self.host_pool.block_bytes
-        return _prefix_outcome(task.device_block_ids, done + _leading_true(ok), moved, "stored")
+        stored = done + _leading_true(ok)
+        return _prefix_outcome(task.device_block_ids, stored, moved, "stored", done)
 
     def _load(self, task: Load, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.device_block_ids, "device_block_ids")
@@ -241,9 +242,8 @@ class DataPath:
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         stored = _leading_true(ok)
-        return _prefix_outcome(
-            task.host_block_ids, done + stored, sum(ok) * self.host_pool.block_bytes, "stored"
-        )
+        moved = sum(ok) * self.host_pool.block_bytes
+        return _prefix_outcome(task.host_block_ids, done + stored, moved, "stored", done)
 
     def _load_host(self, task: LoadHost, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.host_block_ids, "host_block_ids")
@@ -317,12 +317,14 @@ def _leading_true(flags) -> int:
     return n
 
 
-def _prefix_outcome(ids: list[int], done: int, moved: int, verb: str) -> Outcome:
+def _prefix_outcome(ids: list[int], done: int, moved: int, verb: str, skipped: int = 0) -> Outcome:
+    """``ids[:done]`` hold correct data; for saves, ``skipped`` of them were already stored."""
     if done == len(ids):
-        return Outcome(Status.OK, list(ids), bytes_moved=moved)
+        return Outcome(Status.OK, list(ids), count=skipped, bytes_moved=moved)
     return Outcome(
         Status.PARTIAL,
         list(ids[:done]),
+        count=skipped,
         bytes_moved=moved,
         message=f"{verb} {done} of {len(ids)} blocks",
     )

@@ -62,6 +62,21 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ConfigError(name, f"must be an integer in {low}..{high}, got {value!r}")
+        longest = -(-self.longest_prompt_tokens // self.block_size)
+        if longest > self.device_blocks:  # it failed at that turn, after minutes of work
+            per_turn = self.user_tokens + self.reply_tokens
+            fits = (self.device_blocks * self.block_size - self.system_tokens) // per_turn
+            raise ConfigError(
+                "turns",
+                f"the last turn's prompt is {longest} blocks, more than the device cache's "
+                f"{self.device_blocks}: use --turns {fits} or fewer, or --device-blocks "
+                f"{longest} or more",
+            )
+
+    @property
+    def longest_prompt_tokens(self) -> int:
+        """The system prompt and one user's whole history: the last turn's prompt."""
+        return self.system_tokens + self.turns * (self.user_tokens + self.reply_tokens)
 
     @classmethod
     def from_args(cls, args: Any) -> Workload:

@@ -37,7 +37,8 @@ def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
     """One answer from every rank's: shortest prefix of blocks, worst status, summed bytes.
 
     ``bytes_moved`` is the sum over ranks (each rank moves its own shard); ``seconds`` the
-    slowest rank; ``count`` (lookup) the smallest; ``code`` (control) the worst.
+    slowest rank; ``count`` (lookup: found; save: already stored) the smallest; ``code``
+    (control) the worst.
     """
     ordered = [results[r] for r in sorted(results)]
     worst = max(ordered, key=lambda res: t.STATUS_ORDER[res.status])

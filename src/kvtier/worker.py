@@ -365,7 +365,15 @@ class Worker:
             self.gate.done(item)
         seconds = time.perf_counter() - start
         kind = t.task_name(task)
-        self.counters.task(kind, outcome.status.value, outcome.bytes_moved, seconds, self.metrics)
+        self.counters.task(
+            kind,
+            outcome.status.value,
+            outcome.bytes_moved,
+            seconds,
+            self.metrics,
+            blocks=len(outcome.blocks),
+            skipped=outcome.count,
+        )
         # Storage transfers are logged like the old system did (block count, elapsed time);
         # swaps and lookups, thousands a second, only at DEBUG. Numbers go to stats().
         quiet = t.DIRECTIONS[type(task)] in QUIET_DIRECTIONS

@@ -7,6 +7,9 @@ from collections import Counter, defaultdict
 from typing import Any
 
 
+SAVES = ("save", "save_host")
+
+
 class TaskCounters:
     """Thread-safe counters per task kind (tasks, bytes, microseconds, statuses) and errors."""
 
@@ -15,11 +18,25 @@ class TaskCounters:
         self._tasks: dict[str, Counter] = defaultdict(Counter)
         self._errors: Counter = Counter()
 
-    def task(self, kind: str, status: str, nbytes: int, seconds: float, metrics: Any) -> None:
+    def task(
+        self,
+        kind: str,
+        status: str,
+        nbytes: int,
+        seconds: float,
+        metrics: Any,
+        blocks: int = 0,
+        skipped: int = 0,
+    ) -> None:
+        """One answered task; saves say how many ``blocks`` they stored, ``skipped`` of them
+        already there (not written again)."""
         with self._lock:
             c = self._tasks[kind]
             c["tasks"] += 1
             c["bytes"] += nbytes
+            if kind in SAVES:
+                c["blocks_written"] += blocks - skipped
+                c["blocks_skipped"] += skipped
             c["microseconds"] += int(seconds * 1e6)
             c[status] += 1
         if metrics is not None:

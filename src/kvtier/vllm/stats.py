@@ -25,7 +25,8 @@ COUNTERS = {
     "failed_tokens": "tokens whose load failed and that vLLM recomputed (summed over ranks)",
     "load_bytes": "bytes loaded into vLLM's KV cache",
     "load_microseconds": "time kvtier workers spent loading (microseconds)",
-    "saved_tokens": "prompt tokens submitted for saving (summed over ranks)",
+    "saved_tokens": "tokens written to storage (summed over ranks)",
+    "skipped_tokens": "tokens to save that were already stored: not written again (summed)",
     "save_bytes": "bytes written to storage",
     "save_failures": "save tasks that failed",
 }

@@ -179,7 +179,6 @@ class WorkerSide:
         for spec in meta.saves:
             task = t.Save(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
             self._saves[spec.req_id].append(self._submit(task))
-            self.stats.add(saved_tokens=len(spec.block_ids) * self.spec.block_size)
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused this step: its saves must have read them."""
@@ -241,7 +240,12 @@ class WorkerSide:
     def _account_save(self, future: Future) -> None:
         try:
             result: t.Result = future.result()
-            self.stats.add(save_bytes=result.bytes_moved)
+            bs = self.spec.block_size
+            self.stats.add(
+                saved_tokens=(len(result.blocks) - result.count) * bs,
+                skipped_tokens=result.count * bs,
+                save_bytes=result.bytes_moved,
+            )
             if result.status is not t.Status.OK:
                 self.stats.add(save_failures=1)
         except Exception:
