@@ -80,8 +80,6 @@ def _run_case(args: argparse.Namespace, block_size: int, n: int) -> list[dict]:
         head_dim=args.head_dim,
         dtype="bfloat16",
     )
-    cuda = args.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng([args.seed, block_size, n])
     name = cache_name(f"bench{uuid.uuid4().hex[:8]}", 0)
     nbytes = n * spec.block_bytes
@@ -94,61 +92,25 @@ def _run_case(args: argparse.Namespace, block_size: int, n: int) -> list[dict]:
         DeviceCache.create(spec, name, device=args.device) as cache,
         HostPool(spec, n) as pool,
     ):
-        for row in cache.tensors:
-            for t in row:
-                t.copy_(
-                    torch.randint(0, 255, t.shape, dtype=torch.uint8).view(t.dtype)
-                    if t.dtype == torch.uint8
-                    else torch.randn(t.shape).to(t.dtype)
-                )
+        _fill_random(cache)
         copier = make_copier(cache, pool)
-        dev_flat = (
-            torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            if cuda
-            else cache.segment[4096 : 4096 + nbytes]
-        )
-        host_flat = pool.flat
         dev_ids = rng.permutation(n)
         host_ids = rng.permutation(n)
         copier.swap_out(dev_ids, host_ids)
         _verify(cache, pool, dev_ids, host_ids)
         copier.swap_out(dev_ids, host_ids, checksum=True)  # swap_in_verified needs them
+        case = {
+            "device": args.device,
+            "block_size": block_size,
+            "num_blocks": n,
+            "num_layers": args.layers,
+            "block_bytes": spec.block_bytes,
+            "bytes": nbytes,
+            "runs": args.runs,
+        }
         for direction in ("swap_out", "swap_in"):
-            if direction == "swap_out":
-                fns = {
-                    "op": lambda: copier.swap_out(dev_ids, host_ids),
-                    "hashed": lambda: copier.swap_out(dev_ids, host_ids, checksum=True),
-                    "limit": lambda: host_flat[:nbytes].copy_(dev_flat, non_blocking=cuda),
-                }
-            else:
-                fns = {
-                    "op": lambda: copier.swap_in(host_ids, dev_ids),
-                    "hashed": lambda: _check_all(copier.swap_in_verified(host_ids, dev_ids)),
-                    "limit": lambda: dev_flat.copy_(host_flat[:nbytes], non_blocking=cuda),
-                }
-            fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
-            timings = interleaved_timings(fns, args.runs, sync, MIN_SAMPLE_S)
-            t = {name: timing.median for name, timing in timings.items()}
-            rows.append(
-                {
-                    "device": args.device,
-                    "block_size": block_size,
-                    "num_blocks": n,
-                    "num_layers": args.layers,
-                    "block_bytes": spec.block_bytes,
-                    "direction": direction,
-                    "bytes": nbytes,
-                    "gbps": gbps(nbytes, t["op"]),
-                    "gbps_range": timings["op"].gbps_range(nbytes),
-                    "limit_gbps": gbps(nbytes, t["limit"]),
-                    "loop_gbps": gbps(nbytes, t["loop"]),
-                    "ratio_to_limit": t["limit"] / t["op"],
-                    "speedup_vs_loop": t["loop"] / t["op"],
-                    "checksum_gbps": gbps(nbytes, t["hashed"]),
-                    "checksum_ratio_to_limit": t["limit"] / t["hashed"],
-                    "runs": args.runs,
-                }
-            )
+            timings = _time_direction(args, cache, pool, copier, dev_ids, host_ids, direction)
+            rows.append({**case, "direction": direction, **_figures(timings, nbytes)})
             progress(
                 f"  {direction:8s} {rows[-1]['gbps']:.2f} GB/s (limit {rows[-1]['limit_gbps']:.2f})"
             )
@@ -156,6 +118,58 @@ def _run_case(args: argparse.Namespace, block_size: int, n: int) -> list[dict]:
         if args.storage:
             rows.append(_storage_case(args, spec, cache, dev_ids))
     return rows
+
+
+def _fill_random(cache: DeviceCache) -> None:
+    for row in cache.tensors:
+        for t in row:
+            t.copy_(
+                torch.randint(0, 255, t.shape, dtype=torch.uint8).view(t.dtype)
+                if t.dtype == torch.uint8
+                else torch.randn(t.shape).to(t.dtype)
+            )
+
+
+def _time_direction(args, cache, pool, copier, dev_ids, host_ids, direction: str) -> dict:
+    """kvtier's copy, with checksums, the contiguous copy of the same bytes and a per-block
+    loop, interleaved over ``args.runs`` rounds."""
+    cuda = args.device == "cuda"
+    nbytes = len(dev_ids) * cache.spec.block_bytes
+    dev_flat = (
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        if cuda
+        else cache.segment[4096 : 4096 + nbytes]
+    )
+    host_flat = pool.flat
+    if direction == "swap_out":
+        fns = {
+            "op": lambda: copier.swap_out(dev_ids, host_ids),
+            "hashed": lambda: copier.swap_out(dev_ids, host_ids, checksum=True),
+            "limit": lambda: host_flat[:nbytes].copy_(dev_flat, non_blocking=cuda),
+        }
+    else:
+        fns = {
+            "op": lambda: copier.swap_in(host_ids, dev_ids),
+            "hashed": lambda: _check_all(copier.swap_in_verified(host_ids, dev_ids)),
+            "limit": lambda: dev_flat.copy_(host_flat[:nbytes], non_blocking=cuda),
+        }
+    fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return interleaved_timings(fns, args.runs, sync, MIN_SAMPLE_S)
+
+
+def _figures(timings: dict, nbytes: int) -> dict:
+    t = {name: timing.median for name, timing in timings.items()}
+    return {
+        "gbps": gbps(nbytes, t["op"]),
+        "gbps_range": timings["op"].gbps_range(nbytes),
+        "limit_gbps": gbps(nbytes, t["limit"]),
+        "loop_gbps": gbps(nbytes, t["loop"]),
+        "ratio_to_limit": t["limit"] / t["op"],
+        "speedup_vs_loop": t["loop"] / t["op"],
+        "checksum_gbps": gbps(nbytes, t["hashed"]),
+        "checksum_ratio_to_limit": t["limit"] / t["hashed"],
+    }
 
 
 def _storage_case(args: argparse.Namespace, spec: KVCacheSpec, cache: DeviceCache, dev_ids):

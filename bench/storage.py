@@ -40,6 +40,7 @@ from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
 from kvtier_bench.common import Timing, emit, gbps, log2_axes, progress, save_plot, standalone
 from kvtier_bench.options import storage_arguments as add_arguments
+from kvtier_bench.storage_raw import RawFiles, RawMooncake, mooncake_store
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -177,69 +178,17 @@ def _bench_file(args, spec, pool, n) -> list[dict]:
     blocks = [pool.block(i) for i in range(n)]
     targets = [pool.block(n + i) for i in range(n)]
     threads = ThreadPoolExecutor(args.io_threads)
-    store = make_backend(
-        spec,
-        {
-            "backend": "file",
-            "root": str(store_dir),
-            "fsync": args.fsync,
-            "io_threads": args.io_threads,
-            **args.store_options,
-        },
-    )
-    header = bytes(64)
-    sync_data = args.fsync != "none"
-
-    def raw_write(paths):
-        def one(i):
-            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.pwritev(fd, [header, memoryview(blocks[i].numpy())], 0)
-            if sync_data:
-                os.fdatasync(fd)
-            os.close(fd)
-
-        list(threads.map(one, range(n)))
-
-    def raw_read(paths, cold):
-        def one(i):
-            fd = os.open(paths[i], os.O_RDONLY)
-            if cold:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.preadv(fd, [bytearray(64), memoryview(targets[i].numpy())], 0)
-            os.close(fd)
-
-        list(threads.map(one, range(n)))
-
-    def fresh_paths():
-        return [raw_dir / f"{uuid.uuid4().hex}.raw" for _ in range(n)]
-
-    def remove(paths):
-        for p in paths:
-            os.unlink(p)
-
+    options = {"root": str(store_dir), "fsync": args.fsync, "io_threads": args.io_threads}
+    store = make_backend(spec, {"backend": "file", **options, **args.store_options})
+    raw = RawFiles(raw_dir, blocks, targets, threads, args.fsync)
     rows = []
     try:
-        trials = {"raw": Trial(fresh_paths, raw_write, remove), **_save_trials(store, spec, blocks)}
+        trials = {
+            "raw": Trial(raw.fresh_paths, raw.write, raw.remove),
+            **_save_trials(store, spec, blocks),
+        }
         rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
-        keys, paths = _keys(spec, n), fresh_paths()
-        store.put_from(keys, blocks)
-        raw_write(paths)
-        os.sync()
-        sums = np.zeros(n, dtype=np.uint64)
-        for temp in ("warm", "cold"):
-            cold = temp == "cold"
-
-            def load(out, cold=cold):
-                if cold:
-                    store.drop_page_cache(keys)
-                assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
-
-            trials = {
-                "raw": Trial(lambda: None, lambda _, cold=cold: raw_read(paths, cold)),
-                f"load_{temp}": Trial(lambda: None, lambda _, f=load: f(None)),
-                f"load_{temp}_deferred": Trial(lambda: None, lambda _, f=load: f(sums)),
-            }
-            rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        rows += _file_loads(args, spec, store, raw)
         assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
     finally:
         threads.shutdown()
@@ -254,6 +203,32 @@ def _bench_file(args, spec, pool, n) -> list[dict]:
     return rows
 
 
+def _file_loads(args, spec, store, raw: RawFiles) -> list[dict]:
+    """Warm and cold loads of stored objects beside raw reads of the same bytes."""
+    n = raw.n
+    keys, paths = _keys(spec, n), raw.fresh_paths()
+    store.put_from(keys, raw.blocks)
+    raw.write(paths)
+    os.sync()
+    sums = np.zeros(n, dtype=np.uint64)
+    rows = []
+    for temp in ("warm", "cold"):
+        cold = temp == "cold"
+
+        def load(out, cold=cold):
+            if cold:
+                store.drop_page_cache(keys)
+            assert all(store.get_into(keys, raw.targets, out)), "bench storage: a load missed"
+
+        trials = {
+            "raw": Trial(lambda: None, lambda _, cold=cold: raw.read(paths, cold)),
+            f"load_{temp}": Trial(lambda: None, lambda _, f=load: f(None)),
+            f"load_{temp}_deferred": Trial(lambda: None, lambda _, f=load: f(sums)),
+        }
+        rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+    return rows
+
+
 # ---- mooncake --------------------------------------------------------------------------------
 
 
@@ -261,79 +236,37 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
     """remote: objects live in a separate store-node process, reached over TCP loopback (the
     cluster shape: workers are pure clients). local: in this process's own segment (a memcpy:
     the worst case for the relative cost of checksums)."""
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
-
     name = "mooncake" if remote else "mooncake-local"
-    master = node = None
-    segment = 4 * n * (spec.block_bytes + 64) + (64 << 20)
-    if args.mooncake_master:
-        config = {
-            "backend": "mooncake",
-            "master_address": args.mooncake_master,
-            "metadata_server": args.mooncake_metadata,
-        }
-    else:
-        master = LocalMaster().start()
-        config = master.config()
-    try:  # whatever fails to start, stop what did
-        if master is not None and remote:
-            node = LocalStoreNode(master, segment).start()
-        store = make_backend(
-            spec,
-            {**config, "global_segment_size": 0 if remote else segment, **args.store_options},
-        )
-    except BaseException:
-        for started in (node, master):
-            if started is not None:
-                started.stop()
-        raise
+    store, started = mooncake_store(args, spec, n, remote)
     store.register_host_pool(pool)
-    client = store._store  # the same client, for the raw calls
-    blocks = [pool.block(i) for i in range(n)]
-    targets = [pool.block(n + i) for i in range(n)]
-    ptrs = [b.data_ptr() for b in blocks]
-    target_ptrs = [b.data_ptr() for b in targets]
-    sizes = [spec.block_bytes] * n
-
-    def raw_put(keys):
-        codes = client.batch_put_from(keys, ptrs, sizes)
-        assert all(c == 0 for c in codes), f"raw put failed: {set(codes)}"
-
-    def remove(keys):
-        client.batch_remove(keys, True)
-
-    rows = []
     try:
+        raw = RawMooncake(store._store, spec, pool, n)  # the same client, for the raw calls
         trials = {
-            "raw": Trial(lambda: _keys(spec, n), raw_put, remove),
-            **_save_trials(store, spec, blocks),
+            "raw": Trial(lambda: _keys(spec, n), raw.put, raw.remove),
+            **_save_trials(store, spec, raw.blocks),
         }
-        rows += _rows(name, spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        rows = _rows(name, spec, n, _interleaved(trials, args.runs), "raw", args.runs)
         keys, raw_keys = _keys(spec, n), _keys(spec, n)
-        assert all(store.put_from(keys, blocks))
-        raw_put(raw_keys)
+        assert all(store.put_from(keys, raw.blocks))
+        raw.put(raw_keys)
         sums = np.zeros(n, dtype=np.uint64)
 
         def load(out):
-            assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
+            assert all(store.get_into(keys, raw.targets, out)), "bench storage: a load missed"
 
         trials = {
-            "raw": Trial(
-                lambda: None, lambda _: client.batch_get_into(raw_keys, target_ptrs, sizes)
-            ),
+            "raw": Trial(lambda: None, lambda _: raw.get(raw_keys)),
             "load": Trial(lambda: None, lambda _: load(None)),
             "load_deferred": Trial(lambda: None, lambda _: load(sums)),
         }
         rows += _rows(name, spec, n, _interleaved(trials, args.runs), "raw", args.runs)
         load(None)
         assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
-        remove(keys + raw_keys)
+        raw.remove(keys + raw_keys)
     finally:
         store.close()
-        if node is not None:
-            node.stop()
-        if master is not None:
-            master.stop()
+        for process in started:
+            process.stop()
     return rows
 
 

@@ -378,7 +378,7 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(tmp_path) -> No
 def test_keep_store_takes_only_a_new_empty_or_kvtier_directory(tmp_path) -> None:
     """`kvtier demo --keep-store /etc` wrote objects/ and tmp/ into /etc. The run that is
     allowed also has no native copier: the demo says so (the workers' log said it alone)."""
-    from kvtier.demo import check_keep_store
+    from kvtier.demo_run import check_keep_store
 
     other = tmp_path / "other"
     other.mkdir()

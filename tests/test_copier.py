@@ -97,7 +97,7 @@ def test_any_valid_id_lists_round_trip(data, copier_cls) -> None:
 @pytest.mark.parametrize(
     ("dev", "host", "message"),
     [
-        ([1, 2], [1], "device_block_ids has 2 ids but host_block_ids has 1"),
+        ([1, 2], [1], "device_block_ids has 2 entries but host_block_ids has 1"),
         ([40], [0], "device block id 40 out of range 0..39"),
         ([-1], [0], "device block id -1 out of range"),
         ([0], [8], "host block id 8 out of range 0..7"),

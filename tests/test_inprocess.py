@@ -27,7 +27,7 @@ from kvtier.host import HostLayout, HostPool
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.resources import RankResources
 from kvtier.storage.memory import MemoryStore
-from kvtier.transport import LocalClient
+from kvtier.transport_local import LocalClient
 from kvtier.worker import Worker
 from worker_helpers import WSPEC, block, same
 
@@ -331,7 +331,7 @@ def test_oversized_lists_are_refused_at_decode() -> None:
 def test_the_client_survives_any_single_bad_message_from_a_worker() -> None:
     """1 KiB nested 1,000 deep used to kill the client's I/O thread (RecursionError), after
     which no timeout fired and the engine waited forever."""
-    from kvtier.transport import LocalServer
+    from kvtier.transport_local import LocalServer
 
     server = LocalServer(f"local://{uuid.uuid4().hex}")
     server.open()

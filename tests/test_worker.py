@@ -147,7 +147,7 @@ def test_bad_input_gets_a_clear_error_and_the_worker_goes_on(tmp_path) -> None:
         cases = [
             (
                 t.SwapOut(device_block_ids=[1, 2], host_block_ids=[3]),
-                "2 ids but host_block_ids has 1",
+                "2 entries but host_block_ids has 1",
             ),
             (
                 t.SwapOut(device_block_ids=[400], host_block_ids=[0]),
@@ -164,7 +164,7 @@ def test_bad_input_gets_a_clear_error_and_the_worker_goes_on(tmp_path) -> None:
             (t.Save(block_hashes=[b"short"], device_block_ids=[1]), "block hash 0 has 5 bytes"),
             (
                 t.Load(block_hashes=hashes(2), device_block_ids=[1]),
-                "2 block hashes but 1 device_block_ids",
+                "block_hashes has 2 entries but device_block_ids has 1",
             ),
         ]
         for task, message in cases:

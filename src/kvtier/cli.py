@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli_args import COUNT, SEED, Parser, integer, positive_number
+from kvtier.cli_args import COUNT, SEED, Parser, chosen_parser, integer, positive_number
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import printable
 
@@ -83,7 +83,8 @@ def _demo(args: argparse.Namespace) -> int:
         from kvtier_bench.vllm import demo
 
         return demo(as_json=args.json)
-    from kvtier.demo import Workload, check_keep_store, check_ranks, print_demo, run_demo
+    from kvtier.demo import Workload
+    from kvtier.demo_run import check_keep_store, check_ranks, print_demo, run_demo
     from kvtier.table import plural
 
     w = Workload.from_args(args)
@@ -333,16 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """The (sub)parser of the subcommand ``args`` chose, for its usage in an error."""
-    while True:
-        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        chosen = getattr(args, actions[0].dest, None) if actions else None
-        if chosen is None or chosen not in actions[0].choices:
-            return parser
-        parser = actions[0].choices[chosen]
 
 
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -114,3 +114,13 @@ def plot_file(text: str) -> str:
 SEED = integer(0, 2**32 - 1)  # what numpy's and Python's generators take
 COUNT = integer(1)
 SIZE = byte_size(1)
+
+
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The (sub)parser of the subcommand ``args`` chose, for its usage in an error."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, actions[0].dest, None) if actions else None
+        if chosen is None or chosen not in actions[0].choices:
+            return parser
+        parser = actions[0].choices[chosen]

@@ -1,10 +1,8 @@
 """Client: the engine's side. Fans each task out to every rank and gathers one answer.
 
-One I/O thread owns the transport: it sends tasks and heartbeats, receives results, and watches
-the workers. A task's future resolves when every rank has answered: blocks are the shortest
-prefix over ranks, the status the worst. It fails with ``WorkerLost`` when a rank's process
-exits or its heartbeats stop for ``worker_timeout_s``, and with ``TaskTimeout`` after
-``task_timeout_s`` — never a hang.
+The I/O thread (``kvtier.supervisor.Supervisor``) owns the transport: it sends tasks and
+heartbeats, receives results, and watches the workers; a task's future resolves exactly once
+(aggregated result, ``WorkerLost`` or ``TaskTimeout``) — never a hang.
 
 Start-up and supervision are separate: until a rank has answered the hello it is bounded only
 by ``start_timeout_s`` (a worker may need many seconds to import torch and pre-touch a large
@@ -16,13 +14,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +26,13 @@ import msgspec
 from kvtier import tasks as t
 from kvtier.auth import CurveKeys
 from kvtier.config import START_TIMEOUT_S
-from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
+from kvtier.errors import TaskTimeout, WorkerError
 from kvtier.fanin import ControlAnswer, TaskFuture, aggregate
 from kvtier.interrupts import deferred_interrupts
 from kvtier.launcher import Launch, end_worker, start_workers, worker_configs
 from kvtier.ranks import Rank
 from kvtier.spec import KVCacheSpec
-from kvtier.transport import client_transport
+from kvtier.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +41,6 @@ WORKER_TIMEOUT_S = 5.0
 TASK_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 30.0
 INTERRUPTED_WAIT_S = 0.5  # a close cut short by Ctrl-C: workers get SIGTERM after this
-POLL_INTERVAL_S = 0.05
-HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
-
-
-@dataclass
-class _Pending:
-    task: Any
-    future: TaskFuture
-    deadline: float
-    results: dict[int, t.Result] = field(default_factory=dict)
-    expected: set[int] | None = None  # positions that must answer (None: all)
 
 
 class Client:
@@ -80,30 +64,26 @@ class Client:
         auth_key_file: str | None = None,
         observer: bool = False,  # `kvtier status`: stats only; never keeps a worker alive
     ) -> None:
-        self._curve = (
+        curve = (
             CurveKeys.from_secret(auth_key)
             if auth_key
             else CurveKeys.from_file(auth_key_file)
             if auth_key_file
             else None
         )
-        self._observer = observer
         self.task_timeout_s = task_timeout_s
         self.worker_timeout_s = worker_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         procs = list(processes) if processes is not None else [None] * len(endpoints)
-        self._ranks = [Rank(i, e, process=p) for i, (e, p) in enumerate(zip(endpoints, procs))]
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._launch: Launch | None = None
-        self._closing = False
-        self._ping: tuple[threading.Event, set[int]] | None = None
-        self._ready = threading.Condition()  # notified when a rank is welcomed or lost
+        ranks = [Rank(i, e, process=p) for i, (e, p) in enumerate(zip(endpoints, procs))]
         self.client_id = uuid.uuid4().hex[:12]
+        hello = t.Hello(
+            protocol_version=t.PROTOCOL_VERSION, client_id=self.client_id, observer=observer
+        )
+        self._io = Supervisor(ranks, hello, curve, worker_timeout_s, heartbeat_interval_s)
+        self._ranks = self._io.ranks
+        self._ids = itertools.count(1)
+        self._launch: Launch | None = None
 
     @property
     def world_size(self) -> int:
@@ -185,15 +165,8 @@ class Client:
 
     def start(self, start_timeout_s: float = START_TIMEOUT_S) -> Client:
         """Connect and wait for every rank's welcome (see the module docstring)."""
-        self.transport = client_transport([r.endpoint for r in self._ranks], self._curve)
-        self.transport.open()
-        self._thread = threading.Thread(target=self._loop, name="kvtier-client", daemon=True)
-        self._thread.start()
-        with self._ready:
-            settled = self._ready.wait_for(
-                lambda: all(r.welcomed for r in self._ranks) or any(r.lost for r in self._ranks),
-                start_timeout_s,
-            )
+        self._io.open()
+        settled = self._io.wait_settled(start_timeout_s)
         failed = [r for r in self._ranks if r.lost]
         if failed:
             self._abort()
@@ -221,15 +194,7 @@ class Client:
         """
         task = msgspec.structs.replace(task, task_id=next(self._ids))
         future = TaskFuture()
-        deadline = time.monotonic() + (timeout_s or self.task_timeout_s)
-        with self._lock:
-            lost = [r for r in self._ranks if r.lost]
-            if lost or self._thread is None:
-                why = f"rank {lost[0].position}: {lost[0].lost}" if lost else "client is closed"
-                future.set_exception(WorkerLost(why))
-                return future
-            self._pending[task.task_id] = _Pending(task, future, deadline)
-        self._send_all(task)
+        self._io.send(task, future, time.monotonic() + (timeout_s or self.task_timeout_s))
         return future
 
     def _call(self, task: Any, timeout_s: float | None) -> t.Result:
@@ -281,140 +246,10 @@ class Client:
 
     def ping(self, timeout_s: float = 5.0) -> float:
         """Round trip of a heartbeat to every rank (the raw transport latency), in seconds."""
-        event, start = threading.Event(), time.perf_counter()
-        with self._lock:
-            self._ping = (event, set(range(self.world_size)))
-        self._send_all(t.Heartbeat(sent_at=time.time()))
-        if not event.wait(timeout_s):
+        start = time.perf_counter()
+        if not self._io.ping(timeout_s):
             raise TaskTimeout("ping not answered")
         return time.perf_counter() - start
-
-    # ---- the I/O thread ---------------------------------------------------------------------
-
-    def _send_all(self, message: Any) -> None:
-        self._outbox.put(t.encode(message))
-        self.transport.wake()
-
-    def _loop(self) -> None:
-        next_beat = time.monotonic()
-        while not self._stop.is_set():
-            received = self.transport.receive(POLL_INTERVAL_S)
-            self._flush_outbox()
-            for position, payload in received:
-                self._receive(self._ranks[position], payload)
-            now = time.monotonic()
-            if now >= next_beat:
-                beat = t.encode(t.Heartbeat(sent_at=time.time()))
-                for r in self._ranks:
-                    if r.welcomed and not r.lost:
-                        self.transport.send(r.position, beat)
-                next_beat = now + self.heartbeat_interval_s
-            self._say_hello(now)
-            self._check_health(now)
-
-    def _say_hello(self, now: float) -> None:
-        hello = None
-        for r in self._ranks:
-            if not r.welcomed and not r.lost and now - r.last_hello >= HELLO_RESEND_S:
-                hello = hello or t.encode(
-                    t.Hello(
-                        protocol_version=t.PROTOCOL_VERSION,
-                        client_id=self.client_id,
-                        observer=self._observer,
-                    )
-                )
-                self.transport.send(r.position, hello)
-                r.last_hello = now
-
-    def _flush_outbox(self) -> None:
-        while True:
-            try:
-                payload = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            for r in self._ranks:
-                if not r.lost:
-                    self.transport.send(r.position, payload)
-
-    def _receive(self, r: Rank, payload: bytes) -> None:
-        try:
-            message = t.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("client: rank %d sent a malformed message: %s", r.position, str(e)[:200])
-            return
-        r.last_heard = time.monotonic()
-        if isinstance(message, t.Result):
-            self._on_result(r, message)
-        elif isinstance(message, t.Welcome):
-            with self._ready:
-                if message.accepted:
-                    r.welcomed = True
-                else:
-                    r.lost, r.lost_error = message.message, ProtocolMismatch
-                self._ready.notify_all()
-        elif isinstance(message, t.Heartbeat):
-            self._on_heartbeat(r)
-
-    def _on_heartbeat(self, r: Rank) -> None:
-        ping = self._ping
-        if ping is not None:
-            event, waiting = ping
-            waiting.discard(r.position)
-            if not waiting:
-                event.set()
-
-    def _on_result(self, r: Rank, result: t.Result) -> None:
-        with self._lock:
-            pending = self._pending.get(result.task_id)
-            if pending is None:
-                return  # answered already (timed out, or a worker was lost)
-            pending.results[r.position] = result
-            expected = pending.expected or range(self.world_size)
-            if any(p not in pending.results for p in expected):
-                return
-            del self._pending[result.task_id]
-        pending.future.per_rank = dict(pending.results)
-        pending.future.set_result(aggregate(pending.task, pending.results))
-
-    def _check_health(self, now: float) -> None:
-        for r in self._ranks:
-            loss = r.check(now, self.transport.failed_handshakes(r.position), self.worker_timeout_s)
-            if loss is not None:
-                self._lose(r, *loss)
-        with self._lock:
-            expired = [p for p in self._pending.values() if now > p.deadline]
-            for p in expired:
-                del self._pending[p.task.task_id]
-        for p in expired:
-            missing = sorted(set(p.expected or range(self.world_size)) - set(p.results))
-            p.future.set_exception(
-                TaskTimeout(
-                    f"task {p.task.task_id} ({t.task_name(p.task)}): ranks {missing} "
-                    "did not answer in time"
-                )
-            )
-
-    def _lose(self, r: Rank, why: str, error: type[WorkerError] = WorkerError) -> None:
-        """Mark a rank lost and fail every task that waits for it (also while closing)."""
-        with self._ready:
-            r.lost, r.lost_error = why, error
-            self._ready.notify_all()
-        if not r.welcomed:
-            return  # start() reports it, with the worker's log
-        if not self._closing:
-            log.error("client: rank %d lost: %s", r.position, why)
-        with self._lock:
-            failed = [
-                p for p in self._pending.values() if r.position in (p.expected or [r.position])
-            ]
-            for p in failed:
-                del self._pending[p.task.task_id]
-        for p in failed:
-            p.future.set_exception(
-                WorkerLost(
-                    f"rank {r.position}: {why} (task {p.task.task_id} {t.task_name(p.task)})"
-                )
-            )
 
     # ---- shutdown ---------------------------------------------------------------------------
 
@@ -424,11 +259,11 @@ class Client:
         """Stop. Workers this client launched are shut down cleanly (they answer what they
         hold); workers it only connected to are left running unless ``shutdown_workers``.
         Never waits for a worker that is gone or never started: those are ended at once."""
-        if self._thread is None:
+        if not self._io.running:
             return
         if shutdown_workers is None:
             shutdown_workers = any(r.process is not None for r in self._ranks)
-        self._closing = True
+        self._io.closing = True
         interrupted = True
         try:
             if shutdown_workers:
@@ -439,17 +274,9 @@ class Client:
                 self._release(INTERRUPTED_WAIT_S if interrupted else timeout_s)
 
     def _release(self, timeout_s: float) -> None:
-        if self._thread is not None:
+        if self._io.running:
             self._end_processes(timeout_s)
-            self._stop.set()
-            self._thread.join(5)
-            self._thread = None
-            with self._lock:
-                leftover = list(self._pending.values())
-                self._pending.clear()
-            for p in leftover:
-                p.future.set_exception(WorkerLost("client closed"))
-            self.transport.close()
+            self._io.stop()
             if self._launch is not None:
                 self._launch.remove_directory()
 
@@ -470,11 +297,7 @@ class Client:
             return
         task = t.Shutdown(task_id=next(self._ids))
         future = TaskFuture()
-        with self._lock:
-            self._pending[task.task_id] = _Pending(
-                task, future, time.monotonic() + timeout_s, expected=live
-            )
-        self._send_all(task)
+        self._io.send(task, future, time.monotonic() + timeout_s, expected=live)
         try:
             future.result(timeout_s + 1)
         except Exception as e:  # a lost or slow worker: its process is ended below

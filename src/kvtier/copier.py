@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.block_ids import as_block_ids, check_block_ids, check_same_length
 from kvtier.device import DeviceCache
 from kvtier.errors import InvalidBlockIds, LayoutMismatch
 from kvtier.host import HostPool
@@ -126,13 +127,7 @@ class BlockCopier(ABC):
         """Range-check device ids (and, for a destination, refuse duplicates)."""
         self.device_cache.tensors  # noqa: B018 - raises DeviceCacheDetached while asleep
         limit = self.spec.usable_num_blocks
-        bad = dev[(dev < 0) | (dev >= limit)]
-        if bad.size:
-            raise InvalidBlockIds(f"device block id {int(bad[0])} out of range 0..{limit - 1}")
-        if destination:
-            duplicate = first_duplicate(dev)
-            if duplicate is not None:
-                raise InvalidBlockIds(f"device block id {duplicate} appears twice as a destination")
+        check_block_ids(dev, limit, "device block id", destination=destination)
 
     @abstractmethod
     def _swap_out(
@@ -154,46 +149,14 @@ class BlockCopier(ABC):
     ) -> tuple[np.ndarray, np.ndarray]:
         dev = as_block_ids(device_block_ids, "device_block_ids")
         host = as_block_ids(host_block_ids, "host_block_ids")
-        if dev.size != host.size:
-            raise InvalidBlockIds(
-                f"device_block_ids has {dev.size} ids but host_block_ids has {host.size}"
-            )
-        self.check_device_ids(dev, destination=False)
-        self.host_pool.check_ids(host)
-        dst, name = (host, "host") if dst_is_host else (dev, "device")
-        duplicate = first_duplicate(dst)
-        if duplicate is not None:
-            raise InvalidBlockIds(f"{name} block id {duplicate} appears twice as a destination")
+        check_same_length(dev, host, "device_block_ids", "host_block_ids")
+        self.check_device_ids(dev, destination=not dst_is_host)
+        self.host_pool.check_ids(host, destination=dst_is_host)
         return dev, host
 
 
 def _memoryview_at(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-
-
-def as_block_ids(ids: BlockIds, what: str) -> np.ndarray:
-    """Block ids as a 1-D int64 array; anything else is an InvalidBlockIds naming ``what``."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    try:
-        arr = np.asarray(ids)
-    except (TypeError, ValueError) as e:
-        raise InvalidBlockIds(f"{what} must be a list of integers: {e}") from None
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidBlockIds(
-            f"{what} must be a flat list of integers, got {arr.dtype} {arr.shape}"
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def first_duplicate(ids: np.ndarray) -> int | None:
-    if ids.size < 2:
-        return None
-    ordered = np.sort(ids)
-    same = ordered[1:] == ordered[:-1]
-    return int(ordered[1:][same][0]) if same.any() else None
 
 
 class CpuBlockCopier(BlockCopier):

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.copier import BlockCopier, as_block_ids, first_duplicate, make_copier
+from kvtier.block_ids import as_block_ids, check_block_ids, check_same_length
+from kvtier.copier import BlockCopier, make_copier
 from kvtier.device import DeviceCache
 from kvtier.errors import InvalidBlockIds, StorageUnavailable
 from kvtier.host import HostLayout, HostPool
@@ -102,20 +103,12 @@ class DataPath:
 
     def _engine_host_ids(self, ids: list[int], *, destination: bool = False) -> np.ndarray:
         arr = as_block_ids(ids, "host_block_ids")
-        limit = self.layout.engine_blocks
-        bad = arr[(arr < 0) | (arr >= limit)]
-        if bad.size:
-            raise InvalidBlockIds(f"host block id {int(bad[0])} out of range 0..{limit - 1}")
-        if destination:
-            duplicate = first_duplicate(arr)
-            if duplicate is not None:
-                raise InvalidBlockIds(f"host block id {duplicate} appears twice as a destination")
+        check_block_ids(arr, self.layout.engine_blocks, "host block id", destination=destination)
         return arr
 
     @staticmethod
     def _same_length(hashes: list[bytes], ids: list[int], what: str) -> None:
-        if len(hashes) != len(ids):
-            raise InvalidBlockIds(f"{len(hashes)} block hashes but {len(ids)} {what}")
+        check_same_length(hashes, ids, "block_hashes", what)
 
     # ---- handlers ---------------------------------------------------------------------------
 

@@ -8,18 +8,13 @@ rank), so each block swapped in or loaded is checked byte for byte.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
-import os
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +26,6 @@ from kvtier.errors import ConfigError
 from kvtier.index import CacheIndex, Plan, SaveHostEviction, SwapOutEviction, Tier
 from kvtier.interrupts import CleanupStack
 from kvtier.spec import CacheDType, KVCacheSpec
-from kvtier.table import printable
 from kvtier.tasks import Result
 
 
@@ -293,111 +287,3 @@ def run(
     result["wall_s"] = time.perf_counter() - start
     result["ranks"] = ranks
     return result
-
-
-MAX_RANKS = 64
-
-
-def check_ranks(ranks: int) -> None:
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
-        raise ConfigError("ranks", f"must be an integer in 1..{MAX_RANKS}, got {ranks!r}")
-
-
-STORE_ENTRIES = frozenset({"objects", "tmp"})  # what a file store's root holds
-
-
-def check_keep_store(path: Path) -> None:
-    """``--keep-store`` takes a new or empty directory, or a kvtier file store (an earlier
-    ``--keep-store``): never a directory of other things, which the store would write into."""
-    try:
-        entries = sorted(os.listdir(path))
-    except FileNotFoundError:
-        return
-    except NotADirectoryError:
-        raise ConfigError("keep_store", f"{path} is not a directory") from None
-    except OSError as e:
-        raise ConfigError("keep_store", f"cannot read {path}: {e.strerror}") from None
-    strangers = [name for name in entries if name not in STORE_ENTRIES]
-    if strangers or (entries and "objects" not in entries):
-        shown = ", ".join(printable(n) for n in (strangers or entries)[:3])
-        raise ConfigError(
-            "keep_store",
-            f"{path} is not empty and not a kvtier file store (it holds {shown}"
-            f"{', ...' if len(strangers) > 3 else ''}): give a new or empty directory, or one "
-            "an earlier --keep-store made",
-        )
-
-
-def run_demo(
-    w: Workload,
-    backend: str,
-    ranks: int,
-    keep_store: str | None,
-    mooncake: dict | None = None,
-    write_policy: str = "write_through",
-    progress: bool = True,
-    instance_id: str | None = None,
-) -> dict[str, Any]:
-    """The demo: a file store in a temporary directory (or ``keep_store``), a memory store, or
-    Mooncake (``mooncake`` options, or a master and storage node started on loopback). Leaves
-    nothing behind unless ``keep_store``, also when interrupted."""
-    check_ranks(ranks)
-    if keep_store is not None:
-        check_keep_store(Path(keep_store))
-    with CleanupStack() as stack:
-        if backend == "file":
-            root = keep_store or tempfile.mkdtemp(prefix="kvtier-demo-")
-            if keep_store is None:
-                stack.callback(shutil.rmtree, root, ignore_errors=True)
-            storage: dict[str, Any] = {"backend": "file", "root": root}
-        elif backend == "mooncake":
-            storage = {
-                "backend": "mooncake",
-                **(mooncake or stack.enter_context(_local_mooncake())),
-            }
-        else:
-            storage = {"backend": backend}
-        result = run(
-            w, storage, ranks, write_policy=write_policy, progress=progress, instance_id=instance_id
-        )
-        result["backend"] = backend
-        return result
-    raise AssertionError("unreachable")
-
-
-@contextlib.contextmanager
-def _local_mooncake():
-    """A master and a 1 GiB storage node on loopback; the workers are pure clients."""
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
-
-    with LocalMaster() as master, LocalStoreNode(master, 1 << 30):
-        yield {
-            "master_address": master.master_address,
-            "metadata_server": master.metadata_server,
-            "global_segment_size": 0,
-        }
-
-
-def print_demo(r: dict) -> None:
-    tokens = r["tokens"]
-    total = max(1, r["prefill_tokens"])
-    requests = r["requests"]
-    print(
-        f"\n{requests} request{'s' if requests != 1 else ''}, {r['prefill_tokens']:,} prefill "
-        f"tokens, {r['ranks']} rank{'s' if r['ranks'] != 1 else ''}, {r['wall_s']:.1f} s"
-    )
-    print(f"  {'served from':<16}{'tokens':>10}{'share':>9}")
-    for tier, label in (
-        ("device", "device cache"),
-        ("host", "host pool"),
-        ("storage", "storage"),
-        ("compute", "recomputed"),
-    ):
-        print(f"  {label:<16}{tokens[tier]:>10,}{tokens[tier] / total:>9.1%}")
-    print(f"  prefill avoided: {r['prefill_avoided']:.1%}")
-    print(f"  {'direction':<16}{'MiB':>10}{'GB/s':>9}")
-    for kind in ("swap_out", "swap_in", "save", "load", "save_host"):
-        if kind in r["bytes"]:
-            print(f"  {kind:<16}{r['bytes'][kind] / 2**20:>10.1f}{r['gbps'].get(kind, 0):>9.2f}")
-    print(f"  time in kvtier per request: {r['kvtier_ms_per_request']:.2f} ms")
-    print(f"  integrity: {r['blocks_verified']} of {r['blocks_checked']} blocks verified")

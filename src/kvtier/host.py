@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvtier import shm
+from kvtier.block_ids import check_block_ids
 from kvtier.checksum import payload_checksum
 from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
 from kvtier.shm import SegmentKind
@@ -195,10 +196,8 @@ class HostPool:
 
     # ---- views ------------------------------------------------------------------------------
 
-    def check_ids(self, ids: np.ndarray, what: str = "host block id") -> None:
-        bad = ids[(ids < 0) | (ids >= self.num_blocks)]
-        if bad.size:
-            raise InvalidBlockIds(f"{what} {int(bad[0])} out of range 0..{self.num_blocks - 1}")
+    def check_ids(self, ids: np.ndarray, *, destination: bool = False) -> None:
+        check_block_ids(ids, self.num_blocks, "host block id", destination=destination)
 
     def block(self, block_id: int) -> torch.Tensor:
         """The bytes of one page-first block (a uint8 view, no copy)."""

@@ -14,6 +14,7 @@ Stable names (every series carries ``rank``):
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -29,6 +30,10 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))  # 4 KiB .. 8 GiB
 SECONDS_BUCKETS = (
@@ -238,3 +243,19 @@ class _Snapshot:
         for name in STATES:
             state.add_metric([self.rank, name], 1.0 if s["state"] == name else 0.0)
         yield state
+
+
+def start_exporter(
+    rank: int, snapshot: Callable[[], dict[str, Any]], port: int
+) -> tuple[WorkerMetrics, int]:
+    """A worker's exporter serving on 127.0.0.1:``port`` (0: any free port), and its port;
+    a port that cannot be served is a ConfigError naming ``metrics_port``."""
+    metrics = WorkerMetrics(rank, snapshot)
+    try:
+        served = metrics.serve(port)
+    except OSError as e:
+        raise ConfigError(
+            "metrics_port", f"cannot serve metrics on 127.0.0.1:{port}: {e}"
+        ) from None
+    log.info("rank %d: metrics on http://127.0.0.1:%d/metrics", rank, served)
+    return metrics, served

@@ -154,9 +154,10 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
 
     ``blocks``: swap tasks, the device (swap_out: host) ids done; load/save, the ids whose blocks
     now hold correct data (a prefix); lookup, empty and the count in ``count``; save and
-    save_host, in ``count`` how many of ``blocks`` were already stored (skipped, not written). ``code`` answers
-    control tasks; ``data`` carries stats and control details. ``bytes_moved`` counts bytes
-    actually copied or transferred (a skipped, already-stored block moves nothing).
+    save_host, in ``count`` how many of ``blocks`` were already stored (skipped, not written).
+    ``code`` answers control tasks; ``data`` carries stats and control details.
+    ``bytes_moved`` counts bytes actually copied or transferred (a skipped, already-stored
+    block moves nothing).
     """
 
     task_id: int

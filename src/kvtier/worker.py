@@ -5,7 +5,7 @@ Threads and their jobs:
   data tasks with the weight version in force and admits them through the Gate, hands control
   requests to the ControlPlane, and watches the engine (``engine_timeout_s``, and the launching
   process: a worker whose launcher is gone exits at once);
-- one single-thread executor per direction (swap_out, swap_in, save, load, host_io, lookup), so a
+- the TaskRunner's single-thread executors, one per direction (``kvtier.task_runner``), so a
   slow storage write never delays a swap-in; FIFO within a direction;
 - the control thread (ControlPlane) for what control requests may block on.
 
@@ -23,8 +23,6 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -33,15 +31,14 @@ from kvtier import shm
 from kvtier import tasks as t
 from kvtier.auth import CurveKeys
 from kvtier.config import WorkerConfig
+from kvtier.connect import server_transport
 from kvtier.control_plane import Answer, ControlPlane
-from kvtier.datapath import Outcome
 from kvtier.endpoint import EndpointClaim
-from kvtier.errors import KvtierError
 from kvtier.gate import Gate, Refusal, WorkerState
-from kvtier.keys import KeyScheme
 from kvtier.peers import PeerTable
 from kvtier.resources import RankResources
-from kvtier.transport import Peer, server_transport
+from kvtier.task_runner import Item, TaskRunner
+from kvtier.transport import Peer
 from kvtier.worker_stats import TaskCounters
 
 log = logging.getLogger(__name__)
@@ -50,18 +47,6 @@ EXIT_OK = 0
 EXIT_ENGINE_LOST = 3
 POLL_INTERVAL_S = 0.1
 FLUSH_TIMEOUT_S = 2.0
-# Swaps this small run on the loop thread when their direction is idle (microseconds of copying).
-INLINE_MAX_BLOCKS = 4
-INLINE_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN)
-QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
-
-# Saves are off the engine's critical path: on a machine whose cores the engine keeps busy (vLLM
-# on CPU runs OpenMP on every core, and one preempted thread stalls a whole parallel region),
-# they run at a lower priority so that they take idle time rather than the engine's.
-BACKGROUND_DIRECTIONS = (t.Direction.SAVE,)
-BACKGROUND_NICE = 10
-
-Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
 
 
 class Worker:
@@ -77,11 +62,6 @@ class Worker:
         self._last_heard = time.monotonic()
         self._greeted = False  # an engine's hello was accepted: silence counts from then
         self.peers = PeerTable(self.rank)
-        self._pending: dict[Future, Item] = {}
-        self._busy: Counter = Counter()  # per direction: submitted, not finished
-        self._inline: list[Item] = []
-        self._loop_ident = 0
-        self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = False
         self._started_at = time.time()
@@ -99,20 +79,20 @@ class Worker:
         shm.reclaim_orphans()
         self.claim = EndpointClaim(cfg.endpoint_address).acquire()
         self.resources = RankResources(cfg)
-        self.executors = {
-            d: ThreadPoolExecutor(
-                1,
-                thread_name_prefix=f"kvtier-{d.value}",
-                initializer=_lower_priority if d in BACKGROUND_DIRECTIONS else None,
-            )
-            for d in t.Direction
-        }
+        self.runner = TaskRunner(
+            self.resources,
+            self.gate,
+            self.counters,
+            send=lambda peer, result: self.transport.send(peer, t.encode(result)),
+            metrics=lambda: self.metrics,
+            rank=self.rank,
+        )
         self.control = ControlPlane(
             self.resources,
             self.gate,
-            submit=self._submit,
+            submit=self.runner.submit,
             reply=self._reply_control,
-            cancel=self._cancel_item,
+            cancel=self.runner.cancel,
             stats=self.stats,
             rank=self.rank,
         )
@@ -122,8 +102,7 @@ class Worker:
             self._start_metrics()
             self.transport.open()
         except BaseException:
-            for executor in self.executors.values():
-                executor.shutdown(wait=False)
+            self.runner.shutdown()
             self.control.close()
             self._release()
             raise
@@ -145,20 +124,12 @@ class Worker:
         return self
 
     def _start_metrics(self) -> None:
-        if self.config.metrics_port is None:
-            return
-        from kvtier.metrics import WorkerMetrics
+        if self.config.metrics_port is not None:
+            from kvtier.metrics import start_exporter
 
-        self.metrics = WorkerMetrics(self.rank, self.stats)
-        try:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port)
-        except OSError as e:
-            from kvtier.errors import ConfigError
-
-            raise ConfigError(
-                "metrics_port", f"cannot serve metrics on 127.0.0.1:{self.config.metrics_port}: {e}"
-            ) from None
-        log.info("rank %d: metrics on http://127.0.0.1:%d/metrics", self.rank, self.metrics_port)
+            self.metrics, self.metrics_port = start_exporter(
+                self.rank, self.stats, self.config.metrics_port
+            )
 
     def serve(self) -> int:
         """Run until shutdown, SIGTERM / SIGINT or engine loss; return the exit code."""
@@ -185,12 +156,12 @@ class Worker:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self._loop_ident = threading.get_ident()
+        self.runner.loop_ident = threading.get_ident()
         try:
             while not self._stop.is_set():
                 for peer, payload in self.transport.receive(POLL_INTERVAL_S):
                     self._handle(peer, payload)
-                    self._run_inline()
+                    self.runner.run_inline()
                 why = self._engine_gone()
                 if why:
                     log.error("rank %d: %s: exiting", self.rank, why)
@@ -235,7 +206,7 @@ class Worker:
         self._last_heard = time.monotonic()
         if isinstance(message, t.DATA_TASKS):
             item = (peer, message, self.resources.keys)  # stamped with the version in force now
-            refusal = self.gate.admit(item, self._submit)
+            refusal = self.gate.admit(item, self.runner.submit)
             if refusal is not None:
                 stopping = refusal is Refusal.STOPPING
                 status = t.Status.CANCELLED if stopping else t.Status.ERROR
@@ -311,102 +282,9 @@ class Worker:
             f"a connection from {address}", "CURVE handshake without the instance's client key"
         )
 
-    # ---- data tasks -------------------------------------------------------------------------
-
-    def _submit(self, item: Item) -> None:
-        """Called under the gate's lock.
-
-        Fast path: a small swap whose direction is idle runs on the loop thread right after
-        admission (no thread hand-off either way; FIFO holds because nothing is queued ahead).
-        """
-        peer, task, keys = item
-        direction = t.DIRECTIONS[type(task)]
-        with self._pending_lock:
-            busy = self._busy[direction]
-            self._busy[direction] += 1
-        if (
-            not busy
-            and direction in INLINE_DIRECTIONS
-            and threading.get_ident() == self._loop_ident
-            and len(task.device_block_ids) <= INLINE_MAX_BLOCKS
-        ):
-            self._inline.append(item)
-            return
-        future = self.executors[direction].submit(self._run, item)
-        with self._pending_lock:
-            self._pending[future] = item
-        future.add_done_callback(self._forget)
-
-    def _forget(self, future: Future) -> None:
-        with self._pending_lock:
-            self._pending.pop(future, None)
-
-    def _run_inline(self) -> None:
-        while self._inline:
-            self._run(self._inline.pop(0))
-
-    def _run(self, item: Item) -> None:
-        peer, task, keys = item
-        start = time.perf_counter()
-        try:
-            if self.resources.datapath is None:
-                raise KvtierError("the data path is closed (sleeping)")
-            outcome = self.resources.datapath.run(task, keys)
-        except KvtierError as e:
-            self.counters.error(type(e).__name__, self.metrics)
-            outcome = Outcome(t.Status.ERROR, message=f"{type(e).__name__}: {e}")
-        except Exception as e:  # a bug: answered, logged with its traceback, worker goes on
-            log.exception("rank %d: task %d failed", self.rank, task.task_id)
-            self.counters.error("internal", self.metrics)
-            outcome = Outcome(t.Status.ERROR, message=f"internal error: {type(e).__name__}: {e}")
-        finally:
-            with self._pending_lock:
-                self._busy[t.DIRECTIONS[type(task)]] -= 1
-            self.gate.done(item)
-        seconds = time.perf_counter() - start
-        kind = t.task_name(task)
-        self.counters.task(
-            kind,
-            outcome.status.value,
-            outcome.bytes_moved,
-            seconds,
-            self.metrics,
-            blocks=len(outcome.blocks),
-            skipped=outcome.count,
-        )
-        # Storage transfers are logged like the old system did (block count, elapsed time);
-        # swaps and lookups, thousands a second, only at DEBUG. Numbers go to stats().
-        quiet = t.DIRECTIONS[type(task)] in QUIET_DIRECTIONS
-        log.log(
-            logging.DEBUG if quiet else logging.INFO,
-            "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms",
-            self.rank,
-            kind,
-            task.task_id,
-            outcome.status.value,
-            len(outcome.blocks),
-            outcome.bytes_moved,
-            seconds * 1e3,
-        )
-        result = t.Result(
-            task_id=task.task_id,
-            status=outcome.status,
-            blocks=outcome.blocks,
-            count=outcome.count,
-            bytes_moved=outcome.bytes_moved,
-            seconds=seconds,
-            message=outcome.message,
-            rank=self.rank,
-        )
-        self.transport.send(peer, t.encode(result))
-
     def _answer(self, peer: Peer, task_id: int, status: t.Status, message: str, **extra) -> None:
         result = t.Result(task_id=task_id, status=status, message=message, rank=self.rank, **extra)
         self.transport.send(peer, t.encode(result))
-
-    def _cancel_item(self, item: Item, why: str) -> None:
-        peer, task, _ = item
-        self._answer(peer, task.task_id, t.Status.CANCELLED, why)
 
     def _reply_control(self, peer: Peer, task: t.Control, answer: Answer) -> None:
         status = t.Status.OK if answer.code == t.Code.OK else t.Status.ERROR
@@ -424,7 +302,7 @@ class Worker:
             "state": self.gate.state.value,
             "in_flight": self.gate.in_flight,
             "held": self.gate.held,
-            "queue_depths": {d.value: ex._work_queue.qsize() for d, ex in self.executors.items()},
+            "queue_depths": self.runner.queue_depths(),
             **self.counters.snapshot(),
             "storage": storage.stats.as_dict() if storage is not None else {},
             "storage_usage": vars(usage) if usage is not None else {},
@@ -444,17 +322,8 @@ class Worker:
             return
         self.gate.set_state(WorkerState.STOPPING)
         for item in self.gate.take_held():
-            self._cancel_item(item, "worker is shutting down")
-        with self._pending_lock:
-            queued = dict(self._pending)  # cancelled futures leave _pending as they cancel
-        for executor in self.executors.values():
-            executor.shutdown(wait=False, cancel_futures=True)
-        for future, item in queued.items():
-            if future.cancelled():
-                self._cancel_item(item, "worker shut down before the task ran")
-                self.gate.done(item)
-        for executor in self.executors.values():
-            executor.shutdown(wait=True)
+            self.runner.cancel(item, "worker is shutting down")
+        self.runner.shutdown()
         self.control.close()
         if self._shutdown_request is not None:
             peer, task_id = self._shutdown_request
@@ -483,11 +352,3 @@ def _weigh(item: Item) -> tuple[Peer, int]:
     peer, task, _ = item
     lists = (getattr(task, name) for name in task.__struct_fields__)
     return peer, sum(len(value) for value in lists if isinstance(value, list))
-
-
-def _lower_priority() -> None:
-    """Thread initializer: this thread (and threads it starts) yields to the engine's."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except OSError as e:  # a container may forbid it: saves then run at normal priority
-        log.debug("could not lower the save thread's priority: %s", e)

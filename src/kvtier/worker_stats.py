@@ -6,7 +6,6 @@ import threading
 from collections import Counter, defaultdict
 from typing import Any
 
-
 SAVES = ("save", "save_host")
 
 

@@ -40,7 +40,6 @@ import os
 import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,20 +50,19 @@ import torch
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy, Permissions
+from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy
 from kvtier.storage.file_dirs import (
     FANOUT_DIRS,
     OBJECT_SUFFIX,
-    TMP_NAME,
     StoreDirs,
     fanout_name,
 )
-from kvtier.storage.file_io import advance, alive, zero
+from kvtier.storage.file_index import LruIndex
+from kvtier.storage.file_io import OnceLog, advance, striped, warn_if_open, zero
 from kvtier.storage.format import HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
-RESCAN_INTERVAL_S = 5.0
 # A read refreshes an object's mtime (its LRU recency) only when it is older than this.
 RECENCY_GRANULARITY_S = 2.0
 # Batches at least this large are spread over the I/O threads; smaller ones run inline (thread
@@ -73,7 +71,6 @@ RECENCY_GRANULARITY_S = 2.0
 PARALLEL_MIN_BYTES = 4 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-MAX_PID = 1 << 22  # Linux pid_max limit: a larger "pid" in a temp name is junk
 MAX_KEY_BYTES = 4096  # a storage key trailer is far shorter: a longer object is not ours
 
 
@@ -93,19 +90,20 @@ class FileStore(StorageBackend):
         self.config = config
         self.root = config.root
         self._dirs = StoreDirs(self.root, config.permissions.dir_mode)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # object file name -> bytes, LRU first
-        self._used = 0
-        self._last_scan = 0.0
+        self._index = LruIndex()
         self._tmp_counter = itertools.count()
-        self._warned: set[tuple[str, int]] = set()
+        self._warn_once = OnceLog(f"file store {self.root}")
         try:
             self._dirs.open()
         except OSError as e:
             self._dirs.close()
             raise StorageError(f"cannot create the file store in {self.root}: {e}") from e
-        self._check_root_access()
-        self._remove_dead_tmp_files()
+        warn_if_open(self.root, config.permissions)
+        try:
+            for name in self._dirs.remove_dead_tmp_files():
+                log.info("file store: removed %s left by a writer that died", name)
+        except (OSError, StorageError) as e:
+            self._warn_once("clean tmp", e)
         self._rescan()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-file")
 
@@ -121,13 +119,13 @@ class FileStore(StorageBackend):
     def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums_out)
         fn = functools.partial(self._get_one, checksums_out=checksums_out)
-        return self._count_gets(self._map(fn, keys, host_blocks))
+        return self._count_gets(self._striped(fn, keys, host_blocks))
 
     supports_scattered_reads = True
 
     def get_into_scattered(self, keys, targets) -> list[bool]:
         self._check_scattered(keys, targets)
-        return self._count_gets(self._map(self._get_one, keys, targets))
+        return self._count_gets(self._striped(self._get_one, keys, targets))
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)
@@ -147,14 +145,14 @@ class FileStore(StorageBackend):
         return results
 
     def delete(self, keys: Sequence[str]) -> int:
-        return sum(self._remove(*self._name(key)) for key in keys)
+        return sum(self._remove(*object_name(key)) for key in keys)
 
     def usage(self) -> StorageUsage:
-        with self._lock:
-            return StorageUsage(self._used, len(self._index), self.config.capacity_bytes)
+        used, objects = self._index.usage()
+        return StorageUsage(used, objects, self.config.capacity_bytes)
 
     def read_object(self, key: str) -> bytes | None:
-        fd = self._open_object(*self._name(key))
+        fd = self._open_object(*object_name(key))
         if fd is None:
             return None
         try:
@@ -166,12 +164,12 @@ class FileStore(StorageBackend):
             os.close(fd)
 
     def write_object(self, key: str, data: bytes) -> None:
-        fan, name = self._name(key)
-        tmp = self._tmp_name()
+        fan, name = object_name(key)
+        tmp = tmp_name(self._tmp_counter)
         with self._dirs.tmp() as tmp_fd, self._dirs.fanout(fan) as fan_fd:
             self._write_tmp(tmp, tmp_fd, [data])
             os.replace(tmp, name, src_dir_fd=tmp_fd, dst_dir_fd=fan_fd)
-        self._indexed(name, len(data))
+        self._index.add(name, len(data))
 
     def drop_page_cache(self, keys: Sequence[str]) -> None:
         """Ask the OS to drop these objects from the page cache (cold-read benchmarks).
@@ -179,7 +177,7 @@ class FileStore(StorageBackend):
         Only clean pages can be dropped: call ``os.sync()`` first after writing.
         """
         for key in keys:
-            fd = self._open_object(*self._name(key))
+            fd = self._open_object(*object_name(key))
             if fd is not None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
@@ -209,7 +207,7 @@ class FileStore(StorageBackend):
 
     def _header_ok(self, key: str) -> bool:
         """Is a sound object stored under ``key`` (right size, every header field checked)?"""
-        fan, name = self._name(key)
+        fan, name = object_name(key)
         fd = self._open_object(fan, name)
         if fd is None:
             return False
@@ -229,7 +227,7 @@ class FileStore(StorageBackend):
 
     def _get_one(self, index: int, key: str, target, checksums_out=None) -> bool:
         """Read one object into a host block (a tensor) or a list of buffers (scattered)."""
-        fan, name = self._name(key)
+        fan, name = object_name(key)
         fd = self._open_object(fan, name)
         if fd is None:
             return False
@@ -266,7 +264,7 @@ class FileStore(StorageBackend):
             os.close(fd)
         if self.config.capacity_bytes and time.time() - st.st_mtime > RECENCY_GRANULARITY_S:
             self._refresh(fan, name)
-        self._touch(name)
+        self._index.touch(name)
         return True
 
     def _refresh(self, fan: str, name: str) -> None:
@@ -281,12 +279,12 @@ class FileStore(StorageBackend):
         """Store one object from a host block (a tensor) or a list of buffers (scattered)."""
         if self._header_ok(key):
             return True  # immutable: the stored object stays (a corrupt one is replaced)
-        fan, name = self._name(key)
+        fan, name = object_name(key)
         tensor = isinstance(source, torch.Tensor)
         views = [memoryview(source.numpy())] if tensor else list(source)
         known = checksums[index] if checksums is not None else None
         header = self.format.header(key, views, known, trailer=True)
-        tmp = self._tmp_name()
+        tmp = tmp_name(self._tmp_counter)
         try:
             with self._dirs.tmp() as tmp_fd:
                 try:
@@ -301,7 +299,7 @@ class FileStore(StorageBackend):
         except (OSError, StorageError) as e:
             self._warn_once("write", e)
             return False
-        self._indexed(name, self.object_bytes + len(key.encode()))
+        self._index.add(name, self.object_bytes + len(key.encode()))
         return True
 
     def _check_size(self, size: int, key_bytes: int) -> None:
@@ -328,29 +326,13 @@ class FileStore(StorageBackend):
 
     # ---- index and eviction -----------------------------------------------------------------
 
-    def _indexed(self, name: str, size: int) -> None:
-        with self._lock:
-            old = self._index.pop(name, None)
-            self._used += size - (old or 0)
-            self._index[name] = size
-
-    def _touch(self, name: str) -> None:
-        with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
-
     def _evict_if_needed(self) -> None:
         capacity = self.config.capacity_bytes
-        if capacity is None or self._used <= capacity:
+        if capacity is None or not self._index.over(capacity):
             return
-        if time.monotonic() - self._last_scan > RESCAN_INTERVAL_S:
+        if self._index.stale():
             self._rescan()  # learn about other processes' objects and accesses
-        victims = []
-        with self._lock:
-            while self._used > capacity and self._index:
-                name, size = self._index.popitem(last=False)
-                self._used -= size
-                victims.append(name)
+        victims = self._index.victims(capacity)
         for name in victims:
             self._remove(name[:2], name)
         if victims:
@@ -365,55 +347,15 @@ class FileStore(StorageBackend):
                 found += self._dirs.scan_fanout(fanout_name(i))
             except (OSError, StorageError):
                 continue
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((name, size) for _, name, size in found)
-            self._used = sum(size for _, _, size in found)
-            self._last_scan = time.monotonic()
+        self._index.replace(found)
 
     # ---- paths and housekeeping -------------------------------------------------------------
-
-    def _name(self, key: str) -> tuple[str, str]:
-        """(fan-out directory, file name) of ``key``'s object."""
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        return digest[:2], digest + OBJECT_SUFFIX
 
     def _path(self, key: str) -> Path:
         """Where ``key``'s object is (for tools and tests: the store itself never opens it by
         this path)."""
-        fan, name = self._name(key)
+        fan, name = object_name(key)
         return self.root / "objects" / fan / name
-
-    def _tmp_name(self) -> str:
-        return f"{os.getpid()}-{threading.get_ident()}-{next(self._tmp_counter)}.tmp"
-
-    def _check_root_access(self) -> None:
-        st = os.stat(self.root)
-        if self.config.permissions is Permissions.PRIVATE and st.st_mode & 0o077:
-            log.warning(
-                "file store %s is open to group/other (mode %o): stored KV holds users' prompts; "
-                "chmod 700 it, or set storage.permissions: group for a store shared on purpose",
-                self.root,
-                stat.S_IMODE(st.st_mode),
-            )
-
-    def _remove_dead_tmp_files(self) -> None:
-        """Temporary files of writers that died; any other name in ``tmp/`` is left alone."""
-        try:
-            with self._dirs.tmp() as tmp_fd:
-                for entry in list(os.scandir(tmp_fd)):
-                    match = TMP_NAME.fullmatch(entry.name)
-                    if match is None:
-                        continue
-                    pid = int(match.group(1))
-                    if 0 < pid < MAX_PID and alive(pid):
-                        continue
-                    if not entry.is_file(follow_symlinks=False):
-                        continue  # not ours to delete: tolerated, never followed
-                    if self._dirs.unlink(entry.name, tmp_fd):
-                        log.info("file store: removed %s left by a writer that died", entry.name)
-        except (OSError, StorageError) as e:
-            self._warn_once("clean tmp", e)
 
     def _remove(self, fan: str, name: str) -> bool:
         try:
@@ -423,35 +365,21 @@ class FileStore(StorageBackend):
             self._warn_once("remove", e)
             return False
         if removed:
-            with self._lock:
-                size = self._index.pop(name, None)
-                self._used -= size or 0
+            self._index.forget(name)
         return removed
 
-    def _warn_once(self, what: str, error: Exception) -> None:
-        """One log line per (operation, errno): a full disk must not flood the log."""
-        token = (what, getattr(error, "errno", None) or 0)
-        if token not in self._warned:
-            self._warned.add(token)
-            log.warning(
-                "file store %s: %s failed: %s (further such errors are not logged)",
-                self.root,
-                what,
-                error,
-            )
+    def _striped(self, fn, keys: Sequence[str], blocks: Sequence) -> list[bool]:
+        """``fn(i, key, block)`` for every key; one task per I/O thread for large batches."""
+        parallel = len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES
+        return striped(self._pool if parallel else None, self.config.io_threads, fn, keys, blocks)
 
-    def _map(self, fn, keys: Sequence[str], blocks: Sequence) -> list[bool]:
-        """Run ``fn(i, key, block)`` for every key; one task per I/O thread, not per key."""
-        n = len(keys)
-        if n < 2 or n * self.object_bytes < PARALLEL_MIN_BYTES:
-            return [fn(i, k, b) for i, (k, b) in enumerate(zip(keys, blocks))]
-        results: list[bool] = [False] * n
 
-        def run(stripe: int) -> None:
-            for i in range(stripe, n, workers):
-                results[i] = fn(i, keys[i], blocks[i])
+def object_name(key: str) -> tuple[str, str]:
+    """(fan-out directory, file name) of ``key``'s object."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return digest[:2], digest + OBJECT_SUFFIX
 
-        workers = min(self.config.io_threads, n)
-        for future in [self._pool.submit(run, s) for s in range(workers)]:
-            future.result()
-        return results
+
+def tmp_name(counter: itertools.count) -> str:
+    """A temporary file name unique to this process and thread (``TMP_NAME``)."""
+    return f"{os.getpid()}-{threading.get_ident()}-{next(counter)}.tmp"

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvtier.errors import StorageError
+from kvtier.storage.file_io import alive
 
 log = logging.getLogger("kvtier.storage.file")
 
@@ -35,6 +36,7 @@ OBJECTS, TMP = "objects", "tmp"
 FANOUT_DIRS = 256
 OBJECT_SUFFIX = ".kvb"
 OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
+MAX_PID = 1 << 22  # Linux pid_max limit: a larger "pid" in a temp name is junk
 TMP_NAME = re.compile(r"(\d{1,10})-(\d{1,24})-(\d{1,20})\.tmp")
 REPLACE_ATTEMPTS = 3
 
@@ -194,3 +196,21 @@ class StoreDirs:
                 if stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime_ns, entry.name, st.st_size))
         return found
+
+    def remove_dead_tmp_files(self) -> list[str]:
+        """Remove temporary files of writers that died; any other name in ``tmp/`` (another
+        user's, a link, a live writer's) is left alone. Returns the names removed."""
+        removed = []
+        with self.tmp() as tmp_fd:
+            for entry in list(os.scandir(tmp_fd)):
+                match = TMP_NAME.fullmatch(entry.name)
+                if match is None:
+                    continue
+                pid = int(match.group(1))
+                if 0 < pid < MAX_PID and alive(pid):
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue  # not ours to delete: tolerated, never followed
+                if self.unlink(entry.name, tmp_fd):
+                    removed.append(entry.name)
+        return removed

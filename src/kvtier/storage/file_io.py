@@ -1,9 +1,15 @@
-"""Small file-system helpers of the file store: partial writes, zeroing, liveness."""
+"""Small helpers of the file store: partial writes, zeroing, liveness, striping over I/O
+threads, warnings said once."""
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("kvtier.storage.file")
 
@@ -34,3 +40,58 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def striped(
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+    fn: Callable[[int, str, Any], bool],
+    keys: Sequence[str],
+    blocks: Sequence,
+) -> list[bool]:
+    """``fn(i, key, block)`` for every key: inline without a ``pool`` (or for one key), else
+    one task per thread, each taking every ``threads``-th key (not one task per key)."""
+    n = len(keys)
+    if pool is None or n < 2:
+        return [fn(i, k, b) for i, (k, b) in enumerate(zip(keys, blocks))]
+    results: list[bool] = [False] * n
+    workers = min(threads, n)
+
+    def run(stripe: int) -> None:
+        for i in range(stripe, n, workers):
+            results[i] = fn(i, keys[i], blocks[i])
+
+    for future in [pool.submit(run, s) for s in range(workers)]:
+        future.result()
+    return results
+
+
+class OnceLog:
+    """One warning per (operation, errno): a full disk must not flood the log."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._seen: set[tuple[str, int]] = set()
+
+    def __call__(self, operation: str, error: Exception) -> None:
+        token = (operation, getattr(error, "errno", None) or 0)
+        if token not in self._seen:
+            self._seen.add(token)
+            log.warning(
+                "%s: %s failed: %s (further such errors are not logged)",
+                self.what,
+                operation,
+                error,
+            )
+
+
+def warn_if_open(root: Path, permissions: Any) -> None:
+    """A private store whose root group or other may enter holds users' prompts in the open."""
+    st = os.stat(root)
+    if permissions.value == "private" and st.st_mode & 0o077:
+        log.warning(
+            "file store %s is open to group/other (mode %o): stored KV holds users' prompts; "
+            "chmod 700 it, or set storage.permissions: group for a store shared on purpose",
+            root,
+            stat.S_IMODE(st.st_mode),
+        )

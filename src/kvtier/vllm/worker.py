@@ -16,6 +16,7 @@ reported finished receiving, so vLLM recomputes exactly those.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
@@ -93,6 +94,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_hashes: set[bytes] = set()
         self.stats = KvtierConnectorStats()
+        self._stats_lock = threading.Lock()  # saves are counted from the client's I/O thread
         if self.device_type == "cpu":
             # The segment exists before vLLM allocates, so the worker can start now, in
             # parallel with the rest of vLLM's start-up.
@@ -161,7 +163,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         if self.rank == 0 and meta.lookup_counts:
-            self.stats.add(**meta.lookup_counts)  # the scheduler's counts, reported once
+            self._count(**meta.lookup_counts)  # the scheduler's counts, reported once
         sync = []
         for spec in meta.loads:
             task = t.Load(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
@@ -178,7 +180,9 @@ class WorkerSide:
         """Submit this step's saves; never waits for them (they finish off the critical path)."""
         for spec in meta.saves:
             task = t.Save(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
-            self._saves[spec.req_id].append(self._submit(task))
+            future = self._submit(task)
+            future.add_done_callback(self._account_save)  # counted when answered
+            self._saves[spec.req_id].append(future)
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused this step: its saves must have read them."""
@@ -212,8 +216,6 @@ class WorkerSide:
         for req_id in list(self._finished):
             futures = self._saves[req_id]
             if all(f.done() for f in futures):
-                for f in futures:
-                    self._account_save(f)
                 sending.add(req_id)
                 self._finished.discard(req_id)
                 del self._saves[req_id]
@@ -225,9 +227,7 @@ class WorkerSide:
         try:
             result: t.Result = future.result()
             loaded = len(result.blocks)
-            self.stats.add(
-                load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6)
-            )
+            self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
             log.warning("kvtier load for %s failed: %s", spec.req_id, e)
             loaded = 0
@@ -235,21 +235,21 @@ class WorkerSide:
         self._load_errors.update(failed)
         self._failed_hashes.update(spec.block_hashes[loaded:])
         bs = self.spec.block_size
-        self.stats.add(loaded_tokens=loaded * bs, failed_tokens=len(failed) * bs)
+        self._count(loaded_tokens=loaded * bs, failed_tokens=len(failed) * bs)
 
     def _account_save(self, future: Future) -> None:
         try:
             result: t.Result = future.result()
             bs = self.spec.block_size
-            self.stats.add(
+            self._count(
                 saved_tokens=(len(result.blocks) - result.count) * bs,
                 skipped_tokens=result.count * bs,
                 save_bytes=result.bytes_moved,
             )
             if result.status is not t.Status.OK:
-                self.stats.add(save_failures=1)
+                self._count(save_failures=1)
         except Exception:
-            self.stats.add(save_failures=1)
+            self._count(save_failures=1)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -261,10 +261,15 @@ class WorkerSide:
         meta, self._failed_hashes = KvtierWorkerMetadata(self._failed_hashes), set()
         return meta
 
+    def _count(self, **counts: float) -> None:
+        with self._stats_lock:
+            self.stats.add(**counts)
+
     def take_stats(self) -> KvtierConnectorStats | None:
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, KvtierConnectorStats()
+        with self._stats_lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, KvtierConnectorStats()
         return stats
 
     def shutdown(self) -> None:

@@ -1,0 +1,100 @@
+"""The limits `kvtier bench storage` measures against: the same bytes as plain files, and
+Mooncake's own batch API; and the Mooncake store a run uses (with what it started)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvtier.storage import make_backend
+
+
+class RawFiles:
+    """The limit a file store is measured against: the same bytes as plain files (a 64-byte
+    header and the payload), the same number of files, threads and fsync policy."""
+
+    def __init__(self, directory: Path, blocks, targets, threads: ThreadPoolExecutor, fsync: str):
+        self.directory, self.blocks, self.targets = directory, blocks, targets
+        self.threads, self.sync_data = threads, fsync != "none"
+        self.n = len(blocks)
+
+    def fresh_paths(self) -> list[Path]:
+        return [self.directory / f"{uuid.uuid4().hex}.raw" for _ in range(self.n)]
+
+    def write(self, paths) -> None:
+        header = bytes(64)
+
+        def one(i):
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwritev(fd, [header, memoryview(self.blocks[i].numpy())], 0)
+            if self.sync_data:
+                os.fdatasync(fd)
+            os.close(fd)
+
+        list(self.threads.map(one, range(self.n)))
+
+    def read(self, paths, cold: bool) -> None:
+        def one(i):
+            fd = os.open(paths[i], os.O_RDONLY)
+            if cold:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.preadv(fd, [bytearray(64), memoryview(self.targets[i].numpy())], 0)
+            os.close(fd)
+
+        list(self.threads.map(one, range(self.n)))
+
+    @staticmethod
+    def remove(paths) -> None:
+        for p in paths:
+            os.unlink(p)
+
+
+class RawMooncake:
+    """The limit: Mooncake's own batch API on the same registered blocks, through one client."""
+
+    def __init__(self, client, spec, pool, n: int) -> None:
+        self.client = client
+        self.blocks = [pool.block(i) for i in range(n)]
+        self.targets = [pool.block(n + i) for i in range(n)]
+        self.ptrs = [b.data_ptr() for b in self.blocks]
+        self.target_ptrs = [b.data_ptr() for b in self.targets]
+        self.sizes = [spec.block_bytes] * n
+
+    def put(self, keys) -> None:
+        codes = self.client.batch_put_from(keys, self.ptrs, self.sizes)
+        assert all(c == 0 for c in codes), f"raw put failed: {set(codes)}"
+
+    def get(self, keys) -> None:
+        self.client.batch_get_into(keys, self.target_ptrs, self.sizes)
+
+    def remove(self, keys) -> None:
+        self.client.batch_remove(keys, True)
+
+
+def mooncake_store(args, spec, n: int, remote: bool):
+    """A MooncakeStore (and the local master / store node started for it, to stop after)."""
+    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+
+    segment = 4 * n * (spec.block_bytes + 64) + (64 << 20)
+    started: list = []
+    if args.mooncake_master:
+        config = {
+            "backend": "mooncake",
+            "master_address": args.mooncake_master,
+            "metadata_server": args.mooncake_metadata,
+        }
+    else:
+        master = LocalMaster().start()
+        started.append(master)
+        config = master.config()
+    try:  # whatever fails to start, stop what did
+        if started and remote:
+            started.insert(0, LocalStoreNode(started[0], segment).start())
+        options = {**config, "global_segment_size": 0 if remote else segment}
+        return make_backend(spec, {**options, **args.store_options}), started
+    except BaseException:
+        for process in started:
+            process.stop()
+        raise

@@ -1,0 +1,238 @@
+"""Supervisor: a Client's I/O thread — the transport, the hellos, the heartbeats, each rank's
+health, and every task in flight until it is answered exactly once.
+
+It sends tasks and heartbeats, receives results, and watches the workers. A task's future
+resolves when every rank it waits for has answered: blocks are the shortest prefix over ranks,
+the status the worst. It fails with ``WorkerLost`` when a rank is lost (its process exits, its
+heartbeats stop for ``worker_timeout_s``, its peer fails to authenticate: ``Rank.check``), and
+with ``TaskTimeout`` at its deadline — never a hang. The ``ready`` condition is notified when a
+rank is welcomed or lost (``Client.start`` waits on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvtier import tasks as t
+from kvtier.auth import CurveKeys
+from kvtier.connect import client_transport
+from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
+from kvtier.fanin import TaskFuture, aggregate
+from kvtier.ranks import Rank
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.05
+HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
+
+
+@dataclass
+class Pending:
+    task: Any
+    future: TaskFuture
+    deadline: float
+    results: dict[int, t.Result] = field(default_factory=dict)
+    expected: set[int] | None = None  # positions that must answer (None: all)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        ranks: Sequence[Rank],
+        hello: t.Hello,
+        curve: CurveKeys | None,
+        worker_timeout_s: float,
+        heartbeat_interval_s: float,
+    ) -> None:
+        self.ranks = list(ranks)
+        self.ready = threading.Condition()
+        self.closing = False
+        self._hello = t.encode(hello)
+        self._curve = curve
+        self._worker_timeout_s = worker_timeout_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._pending: dict[int, Pending] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ping: tuple[threading.Event, set[int]] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def open(self) -> None:
+        self.transport = client_transport([r.endpoint for r in self.ranks], self._curve)
+        self.transport.open()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-client", daemon=True)
+        self._thread.start()
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Until every rank is welcomed or one is lost; False at the timeout."""
+        with self.ready:
+            return self.ready.wait_for(
+                lambda: all(r.welcomed for r in self.ranks) or any(r.lost for r in self.ranks),
+                timeout_s,
+            )
+
+    def send(self, task: Any, future: TaskFuture, deadline: float, expected=None) -> None:
+        """Track ``task`` until every expected rank answered (or it fails), then send it."""
+        with self._lock:
+            lost = [r for r in self.ranks if r.lost]
+            if lost or self._thread is None:
+                why = f"rank {lost[0].position}: {lost[0].lost}" if lost else "client is closed"
+                future.set_exception(WorkerLost(why))
+                return
+            self._pending[task.task_id] = Pending(task, future, deadline, expected=expected)
+        self._send_all(task)
+
+    def ping(self, timeout_s: float) -> bool:
+        """A heartbeat to every rank; True when all answered within ``timeout_s``."""
+        event = threading.Event()
+        with self._lock:
+            self._ping = (event, set(range(len(self.ranks))))
+        self._send_all(t.Heartbeat(sent_at=time.time()))
+        return event.wait(timeout_s)
+
+    def stop(self) -> None:
+        """End the thread; every task still waiting fails with WorkerLost."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(5)
+        self._thread = None
+        with self._lock:
+            leftover = list(self._pending.values())
+            self._pending.clear()
+        for p in leftover:
+            p.future.set_exception(WorkerLost("client closed"))
+        self.transport.close()
+
+    # ---- the thread -------------------------------------------------------------------------
+
+    def _send_all(self, message: Any) -> None:
+        self._outbox.put(t.encode(message))
+        self.transport.wake()
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            received = self.transport.receive(POLL_INTERVAL_S)
+            self._flush_outbox()
+            for position, payload in received:
+                self._receive(self.ranks[position], payload)
+            now = time.monotonic()
+            if now >= next_beat:
+                beat = t.encode(t.Heartbeat(sent_at=time.time()))
+                for r in self.ranks:
+                    if r.welcomed and not r.lost:
+                        self.transport.send(r.position, beat)
+                next_beat = now + self._heartbeat_interval_s
+            self._say_hello(now)
+            self._check_health(now)
+
+    def _say_hello(self, now: float) -> None:
+        for r in self.ranks:
+            if not r.welcomed and not r.lost and now - r.last_hello >= HELLO_RESEND_S:
+                self.transport.send(r.position, self._hello)
+                r.last_hello = now
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                payload = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            for r in self.ranks:
+                if not r.lost:
+                    self.transport.send(r.position, payload)
+
+    def _receive(self, r: Rank, payload: bytes) -> None:
+        try:
+            message = t.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("client: rank %d sent a malformed message: %s", r.position, str(e)[:200])
+            return
+        r.last_heard = time.monotonic()
+        if isinstance(message, t.Result):
+            self._on_result(r, message)
+        elif isinstance(message, t.Welcome):
+            with self.ready:
+                if message.accepted:
+                    r.welcomed = True
+                else:
+                    r.lost, r.lost_error = message.message, ProtocolMismatch
+                self.ready.notify_all()
+        elif isinstance(message, t.Heartbeat):
+            self._on_heartbeat(r)
+
+    def _on_heartbeat(self, r: Rank) -> None:
+        ping = self._ping
+        if ping is not None:
+            event, waiting = ping
+            waiting.discard(r.position)
+            if not waiting:
+                event.set()
+
+    def _on_result(self, r: Rank, result: t.Result) -> None:
+        with self._lock:
+            pending = self._pending.get(result.task_id)
+            if pending is None:
+                return  # answered already (timed out, or a worker was lost)
+            pending.results[r.position] = result
+            expected = pending.expected or range(len(self.ranks))
+            if any(p not in pending.results for p in expected):
+                return
+            del self._pending[result.task_id]
+        pending.future.per_rank = dict(pending.results)
+        pending.future.set_result(aggregate(pending.task, pending.results))
+
+    def _check_health(self, now: float) -> None:
+        for r in self.ranks:
+            failed = self.transport.failed_handshakes(r.position)
+            loss = r.check(now, failed, self._worker_timeout_s)
+            if loss is not None:
+                self._lose(r, *loss)
+        with self._lock:
+            expired = [p for p in self._pending.values() if now > p.deadline]
+            for p in expired:
+                del self._pending[p.task.task_id]
+        for p in expired:
+            missing = sorted(set(p.expected or range(len(self.ranks))) - set(p.results))
+            p.future.set_exception(
+                TaskTimeout(
+                    f"task {p.task.task_id} ({t.task_name(p.task)}): ranks {missing} "
+                    "did not answer in time"
+                )
+            )
+
+    def _lose(self, r: Rank, why: str, error: type[WorkerError] = WorkerError) -> None:
+        """Mark a rank lost and fail every task that waits for it (also while closing)."""
+        with self.ready:
+            r.lost, r.lost_error = why, error
+            self.ready.notify_all()
+        if not r.welcomed:
+            return  # start() reports it, with the worker's log
+        if not self.closing:
+            log.error("client: rank %d lost: %s", r.position, why)
+        with self._lock:
+            failed = [
+                p for p in self._pending.values() if r.position in (p.expected or [r.position])
+            ]
+            for p in failed:
+                del self._pending[p.task.task_id]
+        for p in failed:
+            p.future.set_exception(
+                WorkerLost(
+                    f"rank {r.position}: {why} (task {p.task.task_id} {t.task_name(p.task)})"
+                )
+            )
