@@ -37,14 +37,6 @@ def create_and_die(spec_dict: dict, name: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def read_shared_pool(spec_dict: dict, pool_name: str, num_blocks: int, block: int) -> bytes:
-    spec = KVCacheSpec.from_dict(spec_dict)
-    pool = HostPool.open_shared(spec, pool_name, num_blocks)
-    data = bytes(pool.block(block).numpy())
-    pool.close()
-    return data
-
-
 def attach_cuda_and_checksum(spec_dict: dict, name: str) -> list[float]:
     spec = KVCacheSpec.from_dict(spec_dict)
     cache = DeviceCache.attach(spec, name)

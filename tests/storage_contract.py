@@ -245,6 +245,17 @@ class StoreContract:
         with pytest.raises(StorageError):
             store.get_into_scattered(keys[:1], [])
 
+    def test_scattered_reads_stop_at_the_first_miss(self, store, pool) -> None:
+        """The data path reads a prefix: objects after a hole are not read (they were, and
+        landed in device blocks past the reported prefix)."""
+        if not store.supports_scattered_reads:
+            pytest.skip(f"{store.kind} reads into host blocks only")
+        keys = make_keys(4)
+        self.put(store, pool, [keys[0], keys[2], keys[3]])
+        got = [[memoryview(bytearray(b"\xee" * CONTRACT_SPEC.block_bytes))] for _ in keys]
+        assert store.get_into_scattered(keys, got) == [True, False, False, False]
+        assert all(bytes(views[0]) == b"\xee" * CONTRACT_SPEC.block_bytes for views in got[1:])
+
     def test_scattered_writes_store_the_pieces_in_order(self, store, pool) -> None:
         if not store.supports_scattered_reads:
             pytest.skip(f"{store.kind} writes from host blocks only")

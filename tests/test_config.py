@@ -184,7 +184,7 @@ def test_later_sources_win_field_by_field(tmp_path) -> None:
     [
         ({}, {"KVTIER_NUM_HOST_BLOCKS": "0"}, [], "got 0 (set by KVTIER_NUM_HOST_BLOCKS)"),
         ({"num_host_blocks": 0}, {}, [], "got 0 (set by {yaml})"),
-        ({}, {}, ["--num-host-blocks", "0"], "got 0 (set by --num-host-blocks)"),
+        ({}, {}, ["--rank", "5"], "rank: 5 must be < world_size 1 (set by --rank)"),
         (
             {"storage": {"backend": "file", "root": "/x"}},
             {"KVTIER_STORAGE_BACKEND": "memory"},

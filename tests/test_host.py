@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 
 import pytest
 import torch
 
-import procs
 from conftest import SPECS
 from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
 from kvtier.host import HEADER_SLOT_BYTES, HostPool
@@ -52,21 +50,6 @@ def test_bad_arguments() -> None:
         pytest.raises(InvalidBlockIds, match="host block id 2"),
     ):
         pool.block(2)
-
-
-def test_shared_backing_is_readable_from_another_process() -> None:
-    spec = SPECS["mla"]
-    shared = f"kvtier-t{uuid.uuid4().hex[:8]}-pool"
-    with HostPool(spec, 4, shared_name=shared) as pool:
-        pool.block(1).copy_(torch.arange(spec.block_bytes, dtype=torch.int64).to(torch.uint8))
-        with mp.get_context("spawn").Pool(1) as p:
-            data = p.apply(procs.read_shared_pool, (spec.to_dict(), shared, 4, 1))
-        assert data == bytes(pool.block(1).numpy())
-        with pytest.raises(DeviceCacheError, match="holds"):
-            HostPool.open_shared(spec, shared, 5)
-    assert not (SHM_DIR / f"{shared}.hostpool").exists()
-    with pytest.raises(DeviceCacheError, match="no host pool"):
-        HostPool.open_shared(spec, shared, 4)
 
 
 def test_an_absurd_host_pool_is_refused_before_anything_is_allocated(monkeypatch) -> None:

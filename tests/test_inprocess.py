@@ -87,19 +87,28 @@ def test_aggregate_takes_the_shortest_prefix_and_the_worst_status() -> None:
 # ---- DataPath ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def datapath():
+class HostBlocksOnlyStore(MemoryStore):
+    """The memory store without scattered reads: a CPU data path then takes the staged route
+    (as it does for Mooncake), which the plain memory store never exercises."""
+
+    supports_scattered_reads = False
+
+
+@pytest.fixture(params=["direct", "staged"])
+def datapath(request):
     layout = HostLayout(engine_blocks=8, staging_blocks=2)
     name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
     with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
         fill_random(cache, 1)
-        store = MemoryStore(WSPEC)
+        store = (MemoryStore if request.param == "direct" else HostBlocksOnlyStore)(WSPEC)
         path = DataPath(cache, pool, layout, store)
+        assert path.route.name == request.param  # chosen once, when the path is built
         yield path, cache, KeyScheme("m", WSPEC.fingerprint, 0, "v1")
         path.close()
 
 
-def test_datapath_saves_and_loads_real_bytes_in_staging_steps(datapath) -> None:
+def test_datapath_saves_and_loads_real_bytes_on_either_route(datapath) -> None:
+    """Through staging (2 blocks: several steps) or straight into the device blocks."""
     path, cache, keys = datapath
     h = hashes(5)  # more than the 2 staging blocks: several steps
     want = [block(cache, b) for b in range(5)]
@@ -112,6 +121,12 @@ def test_datapath_saves_and_loads_real_bytes_in_staging_steps(datapath) -> None:
     assert all(same(block(cache, 30 + i), want[i]) for i in range(5))
     other = keys.with_version("v2")
     assert path.run(t.Lookup(block_hashes=h), other).count == 0  # keys are per task
+    # A hole: the load stops there, and nothing after it lands in the device blocks.
+    path.storage.delete(keys.keys(h[2:3]))
+    before = [block(cache, 20 + i) for i in range(5)]
+    hole = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
+    assert hole.status is t.Status.PARTIAL and hole.blocks == [20, 21]
+    assert all(same(block(cache, 22 + i), before[2 + i]) for i in range(3))
 
 
 def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:

@@ -16,6 +16,7 @@ import stat
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,17 @@ log = logging.getLogger(__name__)
 
 ENV_PREFIX = "KVTIER_"
 MOONCAKE_ENV_PREFIX = "KVTIER_MOONCAKE_"
-DEVICE_CACHE_MODES = ("attach", "create")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENGINE_TIMEOUT_S = 30.0  # the old system waited 600 s before an orphaned manager gave up
 START_TIMEOUT_S = 120.0  # an engine's start (vLLM loads weights before its first hello)
 LOCAL_SCHEME = "local://"  # in-process transport (tests, single-process engines)
+
+
+class DeviceCacheMode(str, Enum):
+    """Who owns a rank's device cache."""
+
+    ATTACH = "attach"  # the engine created it; the worker maps it by name
+    CREATE = "create"  # the worker creates it (and removes it when it stops)
 
 
 def default_socket_dir() -> Path:
@@ -70,7 +77,7 @@ class WorkerConfig:
     rank: int = 0
     world_size: int = 1
     device_cache: str = ""  # name; default kvtier-{instance}-rank{rank}-dev0
-    device_cache_mode: str = "attach"
+    device_cache_mode: DeviceCacheMode = DeviceCacheMode.ATTACH
     device: str = "cpu"
     num_host_blocks: int = 64
     staging_blocks: int = 16  # per storage direction (save, load)
@@ -96,11 +103,13 @@ class WorkerConfig:
         _int_at_least("rank", self.rank, 0)
         if self.rank >= self.world_size:
             raise ConfigError("rank", f"{self.rank} must be < world_size {self.world_size}")
-        if self.device_cache_mode not in DEVICE_CACHE_MODES:
+        try:
+            object.__setattr__(self, "device_cache_mode", DeviceCacheMode(self.device_cache_mode))
+        except ValueError:
+            allowed = ", ".join(m.value for m in DeviceCacheMode)
             raise ConfigError(
-                "device_cache_mode",
-                f"got {self.device_cache_mode!r}; allowed: {', '.join(DEVICE_CACHE_MODES)}",
-            )
+                "device_cache_mode", f"got {self.device_cache_mode!r}; allowed: {allowed}"
+            ) from None
         _int_at_least("num_host_blocks", self.num_host_blocks, 1)
         _int_at_least("staging_blocks", self.staging_blocks, 1)
         if not isinstance(self.storage, Mapping):
@@ -152,6 +161,7 @@ class WorkerConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["spec"] = self.spec.to_dict()
+        d["device_cache_mode"] = self.device_cache_mode.value
         return d
 
     @classmethod

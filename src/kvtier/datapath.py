@@ -10,11 +10,12 @@ stored and read under the version that was current when it was submitted.
 
 Results list exactly the blocks that hold correct data: a load stops at the first block that is
 missing, fails, or fails its checksum. A device block beyond the reported prefix holds its old
-bytes, zeros, or verified bytes of its own key — never bytes that failed a check: through host
-staging a block is verified before it reaches the device; on a CPU cache with a backend that
-reads scattered (file, memory), objects are read straight into the device blocks (one copy
-instead of two), verified there, and a block that fails is zeroed. A save reports the prefix
-now in storage. Storage that cannot be reached costs "0 blocks", never an exception.
+bytes, zeros, or verified bytes of its own key — never bytes that failed a check. How bytes move
+between device blocks and storage is chosen once, when the data path is built
+(``kvtier.routes``): through host staging, or — on a CPU cache with a backend that reads
+scattered (file, memory) — straight into and out of the device blocks. A save reports the prefix
+now in storage, and in ``count`` how much of it was stored already (skipped). Storage that
+cannot be reached costs "0 blocks", never an exception.
 
 Backends whose peers can read registered memory (Mooncake) get only the staging ranges
 registered; host tasks (``save_host``/``load_host``) then pass through staging too, holding the
@@ -35,6 +36,7 @@ from kvtier.device import DeviceCache
 from kvtier.errors import InvalidBlockIds, StorageUnavailable
 from kvtier.host import HostLayout, HostPool
 from kvtier.keys import KeyScheme
+from kvtier.routes import DirectRoute, StagedRoute, leading_true
 from kvtier.storage.base import StorageBackend
 from kvtier.tasks import DataTask, Load, LoadHost, Lookup, Save, SaveHost, Status, SwapIn, SwapOut
 
@@ -75,6 +77,22 @@ class DataPath:
         self._save_lock = threading.Lock()  # the save staging range (save, staged save_host)
         self._load_lock = threading.Lock()  # the load staging range (load, staged load_host)
         self._staged_host_io = storage.exposes_registered_memory
+        direct = self.copier.direct_device_access and storage.supports_scattered_reads
+        self.route: StagedRoute | DirectRoute = (
+            DirectRoute(self.copier, storage)
+            if direct
+            else StagedRoute(
+                self.copier,
+                host_pool,
+                storage,
+                (self._save_staging, self._load_staging),
+                (self._save_lock, self._load_lock),
+            )
+        )
+        if self._staged_host_io:  # chosen once too: host tasks through staging, or not
+            self._put_host, self._get_host = self._put_staged, self._get_staged
+        else:
+            self._put_host, self._get_host = self._put_host_blocks, self._get_host_blocks
         first = layout.engine_blocks
         storage.register_host_pool(
             host_pool, range(first, layout.total_blocks) if self._staged_host_io else None
@@ -134,60 +152,25 @@ class DataPath:
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
         self.copier.check_device_ids(dev, destination=False)
-        if self.copier.direct_device_access and self.storage.supports_scattered_reads:
-            return self._save_direct(task, storage_keys, dev)
-        staging = self._save_staging
         try:
-            done = skipped = self.storage.exists_prefix(storage_keys)  # already stored
-            moved = 0
-            while done < len(storage_keys):
-                chunk = slice(done, min(len(storage_keys), done + staging.size))
-                ids = staging[: chunk.stop - chunk.start]
-                with self._save_lock:
-                    self.copier.swap_out(dev[chunk], ids, checksum=True)
-                    blocks = [self.host_pool.block(int(i)) for i in ids]
-                    ok = self.storage.put_from(
-                        storage_keys[chunk], blocks, self.host_pool.known_checksums(ids)
-                    )
-                stored = _leading_true(ok)
-                done += stored
-                moved += sum(ok) * self.host_pool.block_bytes
-                if stored < len(ok):
-                    break
+            skipped = self.storage.exists_prefix(storage_keys)  # already stored
+            stored, moved = self.route.put(storage_keys[skipped:], dev[skipped:])
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
-        return _prefix_outcome(task.device_block_ids, done, moved, "stored", skipped)
-
-    def _save_direct(self, task: Save, storage_keys: list[str], dev: np.ndarray) -> Outcome:
-        """CPU cache: write each object straight from the device block's pieces (hashed there,
-        then one copy into storage), skipping the stored prefix."""
-        try:
-            done = self.storage.exists_prefix(storage_keys)
-            ok = self.storage.put_from_scattered(
-                storage_keys[done:], self.copier.device_pieces(dev[done:], writable=False)
-            )
-        except StorageUnavailable as e:
-            return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
-        moved = sum(ok) * self.host_pool.block_bytes
-        stored = done + _leading_true(ok)
-        return _prefix_outcome(task.device_block_ids, stored, moved, "stored", done)
+        return _prefix_outcome(task.device_block_ids, skipped + stored, moved, "stored", skipped)
 
     def _load(self, task: Load, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.device_block_ids, "device_block_ids")
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
         self.copier.check_device_ids(dev, destination=True)
-        direct = self.copier.direct_device_access and self.storage.supports_scattered_reads
-        fetch = self._fetch_direct if direct else self._fetch_staged
-        step = self._load_staging.size
-        done = moved = 0
+        route, done, moved = self.route, 0, 0
         try:
-            # Direct reads stop at the first missing object themselves: no existence pass.
-            available = len(storage_keys) if direct else self.storage.exists_prefix(storage_keys)
+            available = route.loadable(storage_keys)
             while done < available:
-                chunk = slice(done, min(available, done + step))
-                fetched, good = fetch(storage_keys[chunk], dev[chunk])
-                verified = _leading_true(good.tolist())
+                chunk = slice(done, min(available, done + route.load_step))
+                fetched, good = route.fetch(storage_keys[chunk], dev[chunk])
+                verified = leading_true(good.tolist())
                 if verified < fetched:
                     self.storage.report_corrupt(
                         storage_keys[chunk][verified], "payload checksum mismatch"
@@ -205,36 +188,16 @@ class DataPath:
             )
         return _prefix_outcome(task.device_block_ids, done, moved, "loaded")
 
-    def _fetch_staged(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
-        """Into the private load staging, then verified inside the host->device copy (a block
-        that fails never reaches the device). Returns (objects fetched, per block: copied)."""
-        ids = self._load_staging[: dev.size]
-        sums = np.zeros(ids.size, dtype=np.uint64)
-        blocks = [self.host_pool.block(int(i)) for i in ids]
-        with self._load_lock:
-            fetched = _leading_true(self.storage.get_into(storage_keys, blocks, sums))
-            self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
-            return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
-
-    def _fetch_direct(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
-        """CPU cache: straight into the device block's pieces (one copy), verified by the
-        backend right after it reads each one; a block that fails is zeroed there (and the
-        object counted corrupt and removed), a missing one left alone."""
-        got = self.storage.get_into_scattered(storage_keys, self.copier.device_pieces(dev))
-        fetched = _leading_true(got)
-        return fetched, np.ones(fetched, dtype=bool)
-
     def _save_host(self, task: SaveHost, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.host_block_ids, "host_block_ids")
         storage_keys = keys.keys(task.block_hashes)
         host = self._engine_host_ids(task.host_block_ids)
         try:
             done = self.storage.exists_prefix(storage_keys)
-            put = self._put_staged if self._staged_host_io else self._put_host_blocks
-            ok = put(storage_keys[done:], host[done:])
+            ok = self._put_host(storage_keys[done:], host[done:])
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
-        stored = _leading_true(ok)
+        stored = leading_true(ok)
         moved = sum(ok) * self.host_pool.block_bytes
         return _prefix_outcome(task.host_block_ids, done + stored, moved, "stored", done)
 
@@ -244,12 +207,11 @@ class DataPath:
         host = self._engine_host_ids(task.host_block_ids, destination=True)
         try:
             available = self.storage.exists_prefix(storage_keys)
-            get = self._get_staged if self._staged_host_io else self._get_host_blocks
-            ok = get(storage_keys[:available], host[:available])
+            ok = self._get_host(storage_keys[:available], host[:available])
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         self.host_pool.forget_checksums(host)
-        loaded = _leading_true(ok)
+        loaded = leading_true(ok)
         return _prefix_outcome(
             task.host_block_ids, loaded, sum(ok) * self.host_pool.block_bytes, "loaded"
         )
@@ -289,7 +251,7 @@ class DataPath:
             ids = self._load_staging[: dst.size]
             with self._load_lock:
                 got = self._get_host_blocks(storage_keys[start : start + dst.size], ids)
-                for s, d in zip(ids[: _leading_true(got)].tolist(), dst.tolist()):
+                for s, d in zip(ids[: leading_true(got)].tolist(), dst.tolist()):
                     self.host_pool.block(d).copy_(self.host_pool.block(s))
             ok += got
             if not all(got):
@@ -299,15 +261,6 @@ class DataPath:
     def close(self) -> None:
         self.copier.close()
         self.storage.unregister_host_pool(self.host_pool)
-
-
-def _leading_true(flags) -> int:
-    n = 0
-    for flag in flags:
-        if not flag:
-            break
-        n += 1
-    return n
 
 
 def _prefix_outcome(ids: list[int], done: int, moved: int, verb: str, skipped: int = 0) -> Outcome:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvtier import shm
 from kvtier.block_ids import check_block_ids
 from kvtier.checksum import payload_checksum
-from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
-from kvtier.shm import SegmentKind
+from kvtier.errors import ConfigError, InvalidBlockIds
 from kvtier.spec import KVCacheSpec, Part
 
 log = logging.getLogger(__name__)
@@ -69,19 +66,10 @@ class HostPool:
     2-4 GB/s here, warm memory at 13-16), so no transfer ever pays for page faults; a pool larger
     than the memory available is refused before anything is allocated.
 
-    ``shared_name`` backs the slab with a /dev/shm file another process can map with
-    ``HostPool.open_shared``; the creating pool unlinks it on ``close``.
     Views are safe to use from several threads as long as no two writers touch one block.
     """
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        num_blocks: int,
-        *,
-        pin: bool | None = None,
-        shared_name: str | None = None,
-    ) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, *, pin: bool | None = None) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError("num_host_blocks", f"must be a positive integer, got {num_blocks!r}")
         self.spec = spec
@@ -89,63 +77,18 @@ class HostPool:
         self.block_bytes = spec.block_bytes
         self.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
         self.size_bytes = num_blocks * self.stride_bytes
-        self._lock_fd: int | None = None
-        self._path = None
-        self.pinned = False
-        want_pin = torch.cuda.is_available() if pin is None else pin
-        if shared_name is not None:
-            self._path = shm.segment_path(shared_name, SegmentKind.HOST_POOL)
-            self._lock_fd = shm.create_locked(self._path, f"host pool {shared_name!r}")
-            try:
-                shm.reserve(self._lock_fd, self.size_bytes, "the host pool")
-                flat = shm.map_descriptor(self._lock_fd, self.size_bytes)
-            except BaseException:
-                shm.unlink_quietly(self._path)
-                os.close(self._lock_fd)
-                raise
-            if want_pin:
-                self.pinned = _register_pinned(flat)
-        else:
-            check_memory_available(self.size_bytes, "num_host_blocks")
-            if want_pin:
-                flat = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=True)
-                self.pinned = True
-            else:
-                flat = torch.empty(self.size_bytes, dtype=torch.uint8)
+        check_memory_available(self.size_bytes, "num_host_blocks")
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        flat = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         _pre_touch(flat)
         self._set_flat(flat)
         log.info(
-            "host pool: %d blocks x %d bytes = %.2f GiB%s%s",
+            "host pool: %d blocks x %d bytes = %.2f GiB%s",
             num_blocks,
             self.block_bytes,
             self.size_bytes / 2**30,
             ", pinned" if self.pinned else "",
-            f", shared as {shared_name}" if shared_name else "",
         )
-
-    @classmethod
-    def open_shared(cls, spec: KVCacheSpec, shared_name: str, num_blocks: int) -> HostPool:
-        """Map a pool another process created with ``shared_name``."""
-        path = shm.segment_path(shared_name, SegmentKind.HOST_POOL)
-        want = num_blocks * (HEADER_SLOT_BYTES + spec.block_bytes)
-        fd = shm.open_checked(path, f"host pool {shared_name!r}")
-        try:
-            size = os.fstat(fd).st_size
-            if size != want:
-                raise DeviceCacheError(
-                    f"host pool {shared_name!r} holds {size} bytes; {num_blocks} blocks of this "
-                    f"spec need {want}"
-                )
-            flat = shm.map_descriptor(fd, want)
-        finally:
-            os.close(fd)
-        pool = cls.__new__(cls)
-        pool.spec, pool.num_blocks, pool.block_bytes = spec, num_blocks, spec.block_bytes
-        pool.size_bytes = want
-        pool.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
-        pool._lock_fd, pool._path, pool.pinned = None, None, False
-        pool._set_flat(flat)
-        return pool
 
     def _set_flat(self, flat: torch.Tensor) -> None:
         self.flat = flat
@@ -242,17 +185,10 @@ class HostPool:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the slab; a pool that created a shared backing unlinks it."""
-        if self.pinned and self._path is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+        """Release the slab."""
         self.flat = torch.empty(0, dtype=torch.uint8)
         self.slab = self.flat.view(0, self.block_bytes)
         self.objects = self.flat.view(0, self.stride_bytes)
-        if self._lock_fd is not None:
-            if self._path is not None:
-                shm.unlink_quietly(self._path)
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     def __enter__(self) -> HostPool:
         return self
@@ -300,12 +236,3 @@ def _pre_touch(flat: torch.Tensor) -> None:
                 total / 2**30,
                 done / (now - start) / 1e9,
             )
-
-
-def _register_pinned(flat: torch.Tensor) -> bool:
-    """Page-lock shared memory for DMA; a refusal leaves it pageable and says so."""
-    rc = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
-    if int(rc) != 0:
-        log.warning("cudaHostRegister failed (%s): shared host pool stays pageable", rc)
-        return False
-    return True

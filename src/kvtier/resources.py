@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvtier import shm
-from kvtier.config import WorkerConfig
+from kvtier.config import DeviceCacheMode, WorkerConfig
 from kvtier.datapath import DataPath
 from kvtier.device import DeviceCache
 from kvtier.host import HostLayout, HostPool, check_memory_available
@@ -98,7 +98,7 @@ class RankResources:
         cfg = self.config
         self._check_sizes()
         try:
-            if cfg.device_cache_mode == "create":
+            if cfg.device_cache_mode is DeviceCacheMode.CREATE:
                 self.device_cache = DeviceCache.create(cfg.spec, cfg.device_cache_name, cfg.device)
             else:
                 self.device_cache = DeviceCache.attach(cfg.spec, cfg.device_cache_name)
@@ -114,7 +114,7 @@ class RankResources:
         """Every size against what the machine has, before anything is allocated."""
         cfg = self.config
         check_memory_available(cfg.spec.host_bytes(self.layout.total_blocks), "num_host_blocks")
-        if cfg.device_cache_mode == "create" and cfg.device == "cpu":
+        if cfg.device_cache_mode is DeviceCacheMode.CREATE and cfg.device == "cpu":
             shm.check_space(cfg.spec.device_bytes, f"device cache {cfg.device_cache_name!r}")
 
     # ---- versions ---------------------------------------------------------------------------

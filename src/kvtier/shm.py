@@ -48,7 +48,6 @@ class SegmentKind(str, Enum):
 
     CPU_CACHE = "kvcache"
     CUDA_HANDLES = "cudaipc"
-    HOST_POOL = "hostpool"
 
 
 def check_name(name: str) -> None:

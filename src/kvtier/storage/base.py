@@ -29,7 +29,10 @@ Contract (implementations do not repeat it):
   filled in order (a CPU device block's per-layer pieces): one copy from storage straight into
   the engine's cache, verified right after it (while the bytes are still in the CPU cache).
   True: the target holds exactly the stored object. False: missing (target untouched) or it
-  failed a check — then the target is zeroed, so bytes that failed never stay there.
+  failed a check — then the target is zeroed, so bytes that failed never stay there. Reads stop
+  at the first False (the caller uses the leading run only): later keys are False and their
+  targets untouched, except one a parallel I/O thread had already begun (which then holds
+  verified bytes of its own key, or zeros).
   ``put_from_scattered(keys, sources)`` is the same for saves: each object's payload is read
   from ``sources[i]`` in order (hashed here), with ``put_from``'s results.
 - ``delete(keys)`` -> number of objects removed; missing keys are ignored.
@@ -112,8 +115,33 @@ class StorageBackend(ABC):
         self.object_bytes = HEADER_BYTES + spec.block_bytes
         self.stats = StorageStats()
 
+    # ---- capabilities: every backend states them -------------------------------------------
+
+    @property
     @abstractmethod
-    def exists_prefix(self, keys: Sequence[str]) -> int: ...
+    def supports_scattered_reads(self) -> bool:
+        """Whether ``get_into_scattered`` / ``put_from_scattered`` work: objects read straight
+        into (and written from) a CPU device block's pieces, one copy instead of two."""
+
+    @property
+    @abstractmethod
+    def exposes_registered_memory(self) -> bool:
+        """Whether registered memory is readable by the backend's peers (Mooncake's transfer
+        engine serves reads of it without authentication): callers then register only the
+        blocks the backend must reach (a worker: its staging) and move others through them."""
+
+    @property
+    @abstractmethod
+    def persistent(self) -> bool:
+        """Whether objects outlive the process that stored them (the file store: on disk;
+        Mooncake: while its cluster runs; the memory store: no)."""
+
+    # ---- the contract (module docstring) -----------------------------------------------------
+
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are stored with a sound header (stops at the first hole).
+        Reads no payload. Raises StorageUnavailable when the store cannot be reached."""
 
     @abstractmethod
     def get_into(
@@ -121,7 +149,11 @@ class StorageBackend(ABC):
         keys: Sequence[str],
         host_blocks: Sequence[torch.Tensor],
         checksums_out: np.ndarray | None = None,
-    ) -> list[bool]: ...
+    ) -> list[bool]:
+        """Fill ``host_blocks[i]`` with ``keys[i]``'s payload; one bool per key, True iff the
+        block holds exactly the stored bytes (verified; with ``checksums_out``: header checked,
+        payload checksum written there for the caller to verify). A miss is False, never an
+        exception; a detected bad object is counted, logged once and removed."""
 
     @abstractmethod
     def put_from(
@@ -129,9 +161,10 @@ class StorageBackend(ABC):
         keys: Sequence[str],
         host_blocks: Sequence[torch.Tensor],
         checksums: Sequence[int | None] | None = None,
-    ) -> list[bool]: ...
-
-    supports_scattered_reads = False
+    ) -> list[bool]:
+        """Store ``host_blocks[i]`` under ``keys[i]`` (``checksums[i]``: its XXH3-64 when the
+        caller knows it); one bool per key, True iff the object is now stored (an existing key
+        is kept as it is). A failed or interrupted put is never visible to readers."""
 
     def get_into_scattered(
         self, keys: Sequence[str], targets: Sequence[Sequence[memoryview]]
@@ -153,26 +186,27 @@ class StorageBackend(ABC):
                 raise StorageError(f"target {i} holds {sum(len(v) for v in views)} bytes")
 
     @abstractmethod
-    def delete(self, keys: Sequence[str]) -> int: ...
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the objects of ``keys``; how many were removed (missing keys are ignored)."""
 
     @abstractmethod
-    def usage(self) -> StorageUsage: ...
+    def usage(self) -> StorageUsage:
+        """Bytes and objects held now, and the capacity (None: unbounded or unknown)."""
 
     @abstractmethod
-    def read_object(self, key: str) -> bytes | None: ...
+    def read_object(self, key: str) -> bytes | None:
+        """The raw stored bytes of ``key`` (header included), or None: for inspection tools
+        and fault injection, not the data path."""
 
     @abstractmethod
-    def write_object(self, key: str, data: bytes) -> None: ...
+    def write_object(self, key: str, data: bytes) -> None:
+        """Store raw bytes under ``key``, replacing what is there (bypasses immutability on
+        purpose: fault injection and repair tools)."""
 
     def report_corrupt(self, key: str, reason: str) -> None:
         """A caller found a fetched payload bad (deferred verification): count, log, remove."""
         self._corrupt(key, ObjectCorrupt(reason))
         self.delete([key])
-
-    # True where registered memory is readable by the backend's peers (Mooncake's transfer
-    # engine serves reads of it without authentication): callers then register only the blocks
-    # the backend must reach (a worker: its staging) and move other blocks through them.
-    exposes_registered_memory = False
 
     def register_host_pool(self, pool, blocks: range | None = None) -> None:  # noqa: B027
         """Called once per HostPool before it is used; zero-copy backends register ``blocks``

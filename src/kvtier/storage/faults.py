@@ -89,7 +89,7 @@ class FaultInjectingStore(StorageBackend):
         return self._drop_some(self.inner.get_into(keys, host_blocks, checksums_out))
 
     @property
-    def supports_scattered_reads(self) -> bool:  # type: ignore[override]
+    def supports_scattered_reads(self) -> bool:
         return self.inner.supports_scattered_reads
 
     def get_into_scattered(self, keys, targets) -> list[bool]:
@@ -167,8 +167,12 @@ class FaultInjectingStore(StorageBackend):
         self.inner.write_object(key, data)
 
     @property
-    def exposes_registered_memory(self) -> bool:  # type: ignore[override]
+    def exposes_registered_memory(self) -> bool:
         return self.inner.exposes_registered_memory
+
+    @property
+    def persistent(self) -> bool:
+        return self.inner.persistent
 
     def register_host_pool(self, pool, blocks: range | None = None) -> None:
         self.inner.register_host_pool(pool, blocks)

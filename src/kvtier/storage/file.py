@@ -76,6 +76,9 @@ MAX_KEY_BYTES = 4096  # a storage key trailer is far shorter: a longer object is
 
 class FileStore(StorageBackend):
     kind = "file"
+    supports_scattered_reads = True
+    exposes_registered_memory = False
+    persistent = True
 
     def __init__(
         self,
@@ -121,11 +124,9 @@ class FileStore(StorageBackend):
         fn = functools.partial(self._get_one, checksums_out=checksums_out)
         return self._count_gets(self._striped(fn, keys, host_blocks))
 
-    supports_scattered_reads = True
-
     def get_into_scattered(self, keys, targets) -> list[bool]:
         self._check_scattered(keys, targets)
-        return self._count_gets(self._striped(self._get_one, keys, targets))
+        return self._count_gets(self._striped(self._get_one, keys, targets, prefix=True))
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)
@@ -368,10 +369,11 @@ class FileStore(StorageBackend):
             self._index.forget(name)
         return removed
 
-    def _striped(self, fn, keys: Sequence[str], blocks: Sequence) -> list[bool]:
-        """``fn(i, key, block)`` for every key; one task per I/O thread for large batches."""
-        parallel = len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES
-        return striped(self._pool if parallel else None, self.config.io_threads, fn, keys, blocks)
+    def _striped(self, fn, keys: Sequence[str], blocks: Sequence, prefix=False) -> list[bool]:
+        """``fn(i, key, block)`` for every key; one task per I/O thread for large batches;
+        ``prefix``: stop at the first False (see ``striped``)."""
+        pool = self._pool if len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES else None
+        return striped(pool, self.config.io_threads, fn, keys, blocks, prefix)
 
 
 def object_name(key: str) -> tuple[str, str]:

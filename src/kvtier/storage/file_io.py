@@ -48,18 +48,34 @@ def striped(
     fn: Callable[[int, str, Any], bool],
     keys: Sequence[str],
     blocks: Sequence,
+    prefix: bool = False,
 ) -> list[bool]:
     """``fn(i, key, block)`` for every key: inline without a ``pool`` (or for one key), else
-    one task per thread, each taking every ``threads``-th key (not one task per key)."""
+    one task per thread, each taking every ``threads``-th key (not one task per key).
+
+    ``prefix``: the caller uses only the leading run of True, so keys after the first False are
+    not run (False without a call) — inline, none of them; on threads, none that starts after
+    the False is known (one another thread had begun still completes)."""
     n = len(keys)
-    if pool is None or n < 2:
-        return [fn(i, k, b) for i, (k, b) in enumerate(zip(keys, blocks))]
     results: list[bool] = [False] * n
+    first_false = [n]
+
+    def one(i: int) -> None:
+        if prefix and i > first_false[0]:
+            return
+        results[i] = fn(i, keys[i], blocks[i])
+        if not results[i]:
+            first_false[0] = min(first_false[0], i)
+
+    if pool is None or n < 2:
+        for i in range(n):
+            one(i)
+        return results
     workers = min(threads, n)
 
     def run(stripe: int) -> None:
         for i in range(stripe, n, workers):
-            results[i] = fn(i, keys[i], blocks[i])
+            one(i)
 
     for future in [pool.submit(run, s) for s in range(workers)]:
         future.result()

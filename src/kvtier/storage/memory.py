@@ -19,6 +19,9 @@ class MemoryStore(StorageBackend):
     corruption and fingerprint checks run exactly as for the other backends."""
 
     kind = "memory"
+    supports_scattered_reads = True
+    exposes_registered_memory = False
+    persistent = False
 
     def __init__(
         self, spec: KVCacheSpec, capacity_bytes: int | None = None, *, mac_key: bytes | None = None
@@ -78,8 +81,6 @@ class MemoryStore(StorageBackend):
             results.append(True)
         return self._count_gets(results)
 
-    supports_scattered_reads = True
-
     def get_into_scattered(self, keys, targets) -> list[bool]:
         self._check_scattered(keys, targets)
         results = []
@@ -87,8 +88,7 @@ class MemoryStore(StorageBackend):
             with self._lock:
                 data = self._objects.get(key)
             if data is None or not self._header_ok(key):
-                results.append(False)
-                continue
+                break  # the prefix ends here: later keys are not read
             offset = HEADER_BYTES
             for view in views:
                 view[:] = data[offset : offset + len(view)]
@@ -100,10 +100,9 @@ class MemoryStore(StorageBackend):
                 self.delete([key])
                 for view in views:
                     view[:] = bytes(len(view))
-                results.append(False)
-                continue
+                break
             results.append(True)
-        return self._count_gets(results)
+        return self._count_gets(results + [False] * (len(keys) - len(results)))
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)

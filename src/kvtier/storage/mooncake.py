@@ -87,6 +87,9 @@ class _Registered:
 
 class MooncakeStore(StorageBackend):
     kind = "mooncake"
+    supports_scattered_reads = False
+    exposes_registered_memory = True
+    persistent = True
 
     def __init__(
         self,
@@ -125,8 +128,6 @@ class MooncakeStore(StorageBackend):
         self._down = False
 
     # ---- registration -----------------------------------------------------------------------
-
-    exposes_registered_memory = True
 
     def register_host_pool(self, pool, blocks: range | None = None) -> None:
         """Register ``blocks`` of the pool (header slots included; None: all) once, for
