@@ -1,4 +1,6 @@
-"""One vLLM engine in its own process, for `kvtier bench vllm` and `kvtier demo --engine vllm`.
+"""One vLLM engine in its own process: the driver `kvtier bench vllm`, `kvtier demo --engine
+vllm` and the vLLM tests (``tests/vllm_engine.py``) share — ``make_model``, ``engine``,
+``generate``, ``counters``, ``reset``.
 
 ``python -m kvtier_bench.vllm_engine make-model DIR [--hidden N]`` builds a random Llama (no
 downloads). ``python -m kvtier_bench.vllm_engine run ARGS_JSON`` serves a prompt set several
@@ -17,7 +19,6 @@ import time
 import uuid
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MARK = "KVTIER-RUN "
 
@@ -53,7 +54,10 @@ def prompt_set(n: int, tokens: int, shared: int) -> list[list[int]]:
     ]
 
 
-def _engine(args: dict):
+def engine(args: dict):
+    """An offline ``LLM`` of ``args["model"]``: with the kvtier connector unless ``kvtier`` is
+    false (``storage``, ``instance``, ``load_mode``, ``log_dir``); ``tp`` ranks, in this
+    process (``uni``, the default) or vLLM's worker processes; ``kv_bytes`` of KV cache."""
     from vllm import LLM
 
     kwargs: dict = dict(
@@ -63,26 +67,32 @@ def _engine(args: dict):
         enforce_eager=True,
         kv_cache_memory_bytes=args.get("kv_bytes", 512 << 20),
         enable_prefix_caching=True,
-        max_model_len=max(4096, args["tokens"] + 64),
-        disable_log_stats=False,
-        distributed_executor_backend="uni",
+        max_model_len=args.get("max_model_len") or max(4096, args.get("tokens", 0) + 64),
+        disable_log_stats=False,  # llm.get_metrics() needs the stats
+        tensor_parallel_size=args.get("tp", 1),
     )
-    if args["kvtier"]:
+    if args.get("uni", True):
+        kwargs["distributed_executor_backend"] = "uni"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.get("kvtier", True):
+        extra = {
+            "storage": args["storage"],
+            "instance_id": args["instance"],
+            "load_mode": args.get("load_mode", "async"),
+        }
+        if args.get("log_dir"):
+            extra["log_dir"] = args["log_dir"]
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "storage": args["storage"],
-                "instance_id": args["instance"],
-                "load_mode": args.get("load_mode", "async"),
-                **({"log_dir": args["log_dir"]} if args.get("log_dir") else {}),
-            },
+            "kv_connector_extra_config": extra,
         }
     return LLM(**kwargs)
 
 
-def _counters(llm) -> dict:
+def counters(llm) -> dict:
+    """vLLM's external-hit counters and kvtier's connector counters, by name."""
     return {
         m.name.split(":", 1)[1]: getattr(m, "value", 0)
         for m in llm.get_metrics()
@@ -90,43 +100,50 @@ def _counters(llm) -> dict:
     }
 
 
-def _reset(llm) -> None:
+def reset(llm) -> None:
+    """Drop vLLM's own prefix cache, so the next hits can only come from kvtier."""
     for _ in range(200):
         if llm.reset_prefix_cache():
             return
-        llm.llm_engine.step()
+        llm.llm_engine.step()  # blocks still held by transfers: an idle step releases them
         time.sleep(0.02)
     raise RuntimeError("reset_prefix_cache kept failing")
 
 
-def _serve(llm, prompts: list[list[int]], label: str, rep: int) -> None:
+def generate(llm, prompts: list[list[int]], max_tokens: int = 1) -> dict:
+    """Greedy completions of token-id prompts: tokens, cached tokens, wall time, and how
+    every counter moved."""
     from vllm.inputs import TokensPrompt
 
     from vllm import SamplingParams
 
-    before = _counters(llm)
+    before = counters(llm)
     start = time.perf_counter()
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(max_tokens=1, temperature=0),
+        SamplingParams(max_tokens=max_tokens, temperature=0),
         use_tqdm=False,
     )
     wall = time.perf_counter() - start
-    after = _counters(llm)
-    record = {
-        "configuration": label,
-        "rep": rep,
-        "wall_s": wall,
+    after = counters(llm)
+    return {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "cached": [o.num_cached_tokens for o in outputs],
-        **{k: after.get(k, 0) - before.get(k, 0) for k in after},
+        "wall_s": wall,
+        "delta": {k: after.get(k, 0) - before.get(k, 0) for k in after},
     }
+
+
+def _serve(llm, prompts: list[list[int]], label: str, rep: int) -> None:
+    out = generate(llm, prompts)
+    delta = out.pop("delta")
+    record = {"configuration": label, "rep": rep, **out, **delta}
     print(MARK + json.dumps(record), flush=True)
 
 
 def run(args: dict) -> None:
     prompts = prompt_set(args["prompts"], args["tokens"], args.get("shared", 0))
-    llm = _engine(args)
+    llm = engine(args)
     client = None
     if args["kvtier"]:
         from kvtier.client import Client
@@ -134,14 +151,14 @@ def run(args: dict) -> None:
 
         client = Client.connect([endpoint_for(args["instance"], 0)], start_timeout_s=120)
     for rep in range(args["reps"]):
-        _reset(llm)
+        reset(llm)
         if client is None:
             _serve(llm, prompts, "vLLM alone (recompute)", rep)
             continue
         version = f"RL-STEP{rep}-{uuid.uuid4().hex[:6]}"
         assert client.control("update_weights", version=version).code == 200  # all misses
         _serve(llm, prompts, "vLLM + kvtier, first run (miss + save)", rep)
-        _reset(llm)  # waits for the saves: their blocks are held until they are done
+        reset(llm)  # waits for the saves: their blocks are held until they are done
         _serve(llm, prompts, "vLLM + kvtier, after reset_prefix_cache (hits)", rep)
     if client is not None:
         client.close()

@@ -112,3 +112,15 @@ def require_mooncake() -> None:
         if "mooncake" in REQUIRED:
             pytest.fail(f"Mooncake is required here (KVTIER_TESTS_REQUIRE): {e}")
         pytest.skip(str(e))
+
+
+def require_vllm() -> None:
+    """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=vllm) without a usable vLLM."""
+    try:
+        import transformers  # noqa: F401
+
+        import kvtier.vllm  # noqa: F401  (checks the version)
+    except ImportError as e:
+        if "vllm" in REQUIRED:
+            pytest.fail(f"vLLM is required here (KVTIER_TESTS_REQUIRE): {e}")
+        pytest.skip(f"vLLM not usable: {e} (README, command 2)", allow_module_level=True)

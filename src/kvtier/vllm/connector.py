@@ -86,7 +86,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.start_load_kv(self._meta())
+        self._worker.transfers.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing to wait for per layer."""
@@ -96,26 +96,26 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.wait_for_save(self._meta())
+        self._worker.transfers.wait_for_save(self._meta())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, KvtierMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata)
+            self._worker.transfers.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]):
         assert self._worker is not None
         meta = self._connector_metadata
         idle = isinstance(meta, KvtierMetadata) and meta.idle
-        return self._worker.get_finished(finished_req_ids, idle)
+        return self._worker.transfers.get_finished(finished_req_ids, idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+        return self._worker.transfers.load_errors() if self._worker else set()
 
     def build_connector_worker_meta(self):
-        return self._worker.build_worker_meta() if self._worker is not None else None
+        return self._worker.transfers.worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self):
-        return self._worker.take_stats() if self._worker is not None else None
+        return self._worker.transfers.take_stats() if self._worker is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +44,20 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, instance: str, world_size: int, block_size: int, settings: Any) -> None:
+    def __init__(
+        self,
+        instance: str,
+        world_size: int,
+        block_size: int,
+        settings: Any,
+        endpoints: Sequence[str] | None = None,
+    ) -> None:
+        """``endpoints``: the ranks' workers (default: the launched workers' ipc:// sockets)."""
         self.block_size = block_size
         self.settings = settings
         self.sync_loads = settings.load_mode == "sync"
-        endpoints = [endpoint_for(instance, rank) for rank in range(world_size)]
+        if endpoints is None:
+            endpoints = [endpoint_for(instance, rank) for rank in range(world_size)]
         self.client: Client | None = Client.connect(
             endpoints,
             start_timeout_s=settings.start_timeout_s,

@@ -8,36 +8,28 @@ are shared by IPC handle (``DeviceCache.wrap`` + ``publish``). Either way the kv
 this rank (``Client.launch`` with ``ranks=[rank]``) attaches the cache and runs every load and
 save as a kvtier task; this process only submits tasks and collects their answers.
 
-Loads and saves are asynchronous. A load's answer names the prefix of blocks it filled; the
-rest are reported through ``get_block_ids_with_load_errors`` in the same step the request is
-reported finished receiving, so vLLM recomputes exactly those.
+Each step's loads and saves are ``StepTransfers`` (``kvtier.vllm.transfers``): asynchronous
+kvtier tasks whose answers say which requests finished and which blocks vLLM must recompute.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvtier import tasks as t
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
-from kvtier.errors import DeviceCacheError, KvtierError
+from kvtier.errors import DeviceCacheError
 from kvtier.launcher import Launch, start_workers, worker_configs
 from kvtier.spec import Part
 from kvtier.vllm.layout import layer_order, spec_and_layout
-from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec
 from kvtier.vllm.settings import PREFIX
-from kvtier.vllm.stats import KvtierConnectorStats
+from kvtier.vllm.transfers import StepTransfers
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_S = 0.05  # an idle step waits at most this long for an in-flight load
 
 
 class _AllocateInto(TorchFunctionMode):
@@ -88,13 +80,7 @@ class WorkerSide:
         self.launch: Launch | None = None
         self.client: Client | None = None
         self._allocation: _AllocateInto | None = None
-        self._loads: dict[str, tuple[Future, LoadSpec]] = {}
-        self._saves: dict[str, list[Future]] = defaultdict(list)
-        self._finished: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._failed_hashes: set[bytes] = set()
-        self.stats = KvtierConnectorStats()
-        self._stats_lock = threading.Lock()  # saves are counted from the client's I/O thread
+        self.transfers = StepTransfers(self.spec.block_size, rank)
         if self.device_type == "cpu":
             # The segment exists before vLLM allocates, so the worker can start now, in
             # parallel with the rest of vLLM's start-up.
@@ -150,6 +136,7 @@ class WorkerSide:
             start_timeout_s=self.settings.start_timeout_s,
             task_timeout_s=self.settings.task_timeout_s,
         )
+        self.transfers.client = self.client
         log.info(
             "kvtier: rank %d of %d serving %d blocks of %d KiB (%s)",
             self.rank,
@@ -159,125 +146,9 @@ class WorkerSide:
             self.spec.engine_layout,
         )
 
-    # ---- each step --------------------------------------------------------------------------
-
-    def start_load_kv(self, meta: KvtierMetadata) -> None:
-        if self.rank == 0 and meta.lookup_counts:
-            self._count(**meta.lookup_counts)  # the scheduler's counts, reported once
-        sync = []
-        for spec in meta.loads:
-            task = t.Load(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
-            future = self._submit(task)
-            if spec.sync:
-                sync.append((future, spec))
-            else:
-                self._loads[spec.req_id] = (future, spec)
-        for future, spec in sync:  # this step's forward reads these blocks: wait for them
-            _wait(future)
-            self._account_load(future, spec)
-
-    def wait_for_save(self, meta: KvtierMetadata) -> None:
-        """Submit this step's saves; never waits for them (they finish off the critical path)."""
-        for spec in meta.saves:
-            task = t.Save(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
-            future = self._submit(task)
-            future.add_done_callback(self._account_save)  # counted when answered
-            self._saves[spec.req_id].append(future)
-
-    def handle_preemptions(self, meta: KvtierMetadata) -> None:
-        """A preempted request's blocks are reused this step: its saves must have read them."""
-        for req_id in meta.preempted:
-            for future in self._saves.get(req_id, ()):
-                _wait(future)
-
-    def _submit(self, task: Any) -> Future:
-        if self.client is None:
-            failed: Future = Future()
-            failed.set_exception(KvtierError("the kvtier worker is not running"))
-            return failed
-        return self.client.submit(task)
-
-    # ---- results ----------------------------------------------------------------------------
-
-    def get_finished(
-        self, finished_req_ids: set[str], idle: bool = False
-    ) -> tuple[set[str], set[str]]:
-        if idle and self._loads:
-            # Nothing else to run this step: wait for a load here instead of letting vLLM spin
-            # through empty steps (the spin takes the CPU the kvtier worker is loading with).
-            futures = [f for f, _ in self._loads.values()]
-            wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-        recving = {req_id for req_id, (f, _) in self._loads.items() if f.done()}
-        for req_id in recving:
-            future, spec = self._loads.pop(req_id)
-            self._account_load(future, spec)
-        self._finished |= finished_req_ids & set(self._saves)
-        sending = set()
-        for req_id in list(self._finished):
-            futures = self._saves[req_id]
-            if all(f.done() for f in futures):
-                sending.add(req_id)
-                self._finished.discard(req_id)
-                del self._saves[req_id]
-        for req_id in finished_req_ids - set(self._saves) - set(self._loads):
-            self._saves.pop(req_id, None)
-        return sending, recving
-
-    def _account_load(self, future: Future, spec: LoadSpec) -> None:
-        try:
-            result: t.Result = future.result()
-            loaded = len(result.blocks)
-            self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
-        except Exception as e:  # lost worker, timeout: every block of it is recomputed
-            log.warning("kvtier load for %s failed: %s", spec.req_id, e)
-            loaded = 0
-        failed = spec.block_ids[loaded:]
-        self._load_errors.update(failed)
-        self._failed_hashes.update(spec.block_hashes[loaded:])
-        bs = self.spec.block_size
-        self._count(loaded_tokens=loaded * bs, failed_tokens=len(failed) * bs)
-
-    def _account_save(self, future: Future) -> None:
-        try:
-            result: t.Result = future.result()
-            bs = self.spec.block_size
-            self._count(
-                saved_tokens=(len(result.blocks) - result.count) * bs,
-                skipped_tokens=result.count * bs,
-                save_bytes=result.bytes_moved,
-            )
-            if result.status is not t.Status.OK:
-                self._count(save_failures=1)
-        except Exception:
-            self._count(save_failures=1)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def build_worker_meta(self) -> KvtierWorkerMetadata | None:
-        if not self._failed_hashes:
-            return None
-        meta, self._failed_hashes = KvtierWorkerMetadata(self._failed_hashes), set()
-        return meta
-
-    def _count(self, **counts: float) -> None:
-        with self._stats_lock:
-            self.stats.add(**counts)
-
-    def take_stats(self) -> KvtierConnectorStats | None:
-        with self._stats_lock:
-            if self.stats.is_empty():
-                return None
-            stats, self.stats = self.stats, KvtierConnectorStats()
-        return stats
-
     def shutdown(self) -> None:
-        for future, _ in self._loads.values():
-            _wait(future)
-        for futures in self._saves.values():
-            for future in futures:
-                _wait(future)
+        self.transfers.drain()
+        self.transfers.client = None
         if self.client is not None:
             self.client.close()  # shuts the launched worker down cleanly
             self.client = None
@@ -287,10 +158,3 @@ class WorkerSide:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
-
-
-def _wait(future: Future, timeout_s: float = 120.0) -> None:
-    try:
-        future.result(timeout_s)
-    except Exception:  # answered with an error, lost or timed out: the bytes are not read
-        pass

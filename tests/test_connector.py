@@ -1,0 +1,213 @@
+"""The vLLM connector's two sides without an engine: vLLM's own Request, SchedulerOutput and
+KVCacheBlocks objects drive the scheduler side, and the worker side's step transfers run as
+real kvtier tasks on an in-process worker (``local://``, memory store). Every step a real
+engine takes is here: lookup, allocation, the step's metadata, saves, fences, loads, a load
+that fails, a load in flight that another request waits for. The real-engine tests
+(``test_vllm.py``) stay for what only an engine shows.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from conftest import fill_random, require_vllm
+from kvtier.config import WorkerConfig
+from kvtier.worker import Worker
+from worker_helpers import WSPEC, block, same
+
+require_vllm()
+
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvtier.client import Client  # noqa: E402
+from kvtier.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvtier.vllm.settings import ConnectorSettings  # noqa: E402
+from kvtier.vllm.transfers import StepTransfers  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+
+BS = WSPEC.block_size  # 16 tokens per block, as the worker's spec
+PROMPT = 100  # tokens: 6 full blocks; the last token's block is always computed
+init_none_hash(sha256_cbor)
+HASHER = get_request_block_hasher(BS, sha256_cbor)
+
+
+def request(req_id: str, tokens: list[int]) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
+
+
+def blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def step(new: list[tuple[Request, list[int], int]], scheduled: dict[str, int]) -> SchedulerOutput:
+    """A step scheduling ``new`` requests (request, block ids, computed tokens)."""
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                mm_features=[],
+                sampling_params=r.sampling_params,
+                pooling_params=None,
+                block_ids=(ids,),
+                num_computed_tokens=done,
+                lora_request=None,
+            )
+            for r, ids, done in new
+        ],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+        num_common_prefix_blocks=[0],
+    )
+
+
+def until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the connector never got there"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def connector():
+    """A worker in this process, the scheduler side and one rank's step transfers on it."""
+    config = WorkerConfig(
+        spec=WSPEC,
+        instance_id=f"cn{uuid.uuid4().hex[:8]}",
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+        num_host_blocks=1,
+        staging_blocks=4,
+        endpoint=f"local://{uuid.uuid4().hex}",
+    )
+    worker = Worker(config).start()
+    settings = ConnectorSettings.from_extra_config({"start_timeout_s": 10})
+    scheduler = SchedulerSide(
+        config.instance_id, 1, BS, settings, endpoints=[config.endpoint_address]
+    )
+    transfers = StepTransfers(BS)
+    transfers.client = Client.connect([config.endpoint_address], start_timeout_s=10)
+    fill_random(worker.resources.device_cache, 1)  # "computed KV" in every device block
+    yield scheduler, transfers, worker
+    transfers.client.close()
+    scheduler.close()
+    worker.close()
+
+
+def compute_and_save(scheduler, transfers, req: Request, ids: list[int]) -> None:
+    """The request's first step: prefill computes everything; its full blocks are saved."""
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    scheduler.update_state_after_alloc(req, blocks(ids), 0)
+    meta = scheduler.build_connector_meta(step([(req, ids, 0)], {req.request_id: PROMPT}))
+    assert [s.block_ids for s in meta.saves] == [ids[:6]]  # 6 full prompt blocks
+    transfers.start_load_kv(meta)
+    transfers.wait_for_save(meta)
+    assert scheduler.request_finished(req) == (True, None)  # fenced: its saves are in flight
+    until(lambda: transfers.get_finished({req.request_id})[0] == {req.request_id})
+
+
+def test_a_prefix_computed_once_is_loaded_by_the_next_request(connector) -> None:
+    scheduler, transfers, worker = connector
+    cache = worker.resources.device_cache
+    tokens = list(range(1000, 1000 + PROMPT))
+    first = request("r1", tokens)
+    compute_and_save(scheduler, transfers, first, list(range(0, 7)))
+    stats = transfers.take_stats().data
+    assert stats["saved_tokens"] == 6 * BS and stats.get("skipped_tokens", 0) == 0
+
+    second = request("r2", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, True)  # async load
+    ids = list(range(10, 17))
+    scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, ids, 6 * BS)], {"r2": PROMPT - 96}))
+    assert [(s.req_id, s.block_ids) for s in meta.loads] == [("r2", ids[:6])]
+    assert meta.saves == []  # stored already: not submitted again
+    transfers.start_load_kv(meta)
+    until(lambda: "r2" in transfers.get_finished(set())[1])
+    scheduler.update_connector_output(KVConnectorOutput(finished_recving={"r2"}))
+    assert all(same(block(cache, 10 + i), block(cache, i)) for i in range(6))  # vLLM's bytes
+    assert transfers.load_errors() == set()
+    stats = transfers.take_stats().data
+    assert stats["loaded_tokens"] == 6 * BS and stats["found_tokens"] == 6 * BS
+    assert stats["lookups"] == 1 and stats["requested_tokens"] == 6 * BS  # this step's
+
+
+def test_a_request_waits_for_a_load_in_flight_then_hits_vllms_cache(connector) -> None:
+    """Each object is loaded once: until r2's load is reported received, r3 with the same
+    prefix waits (None) instead of loading the same objects again."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(2000, 2000 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r1", tokens), list(range(0, 7)))
+    second, third = request("r2", tokens), request("r3", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, True)
+    scheduler.update_state_after_alloc(second, blocks(list(range(10, 17))), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, list(range(10, 17)), 96)], {"r2": 4}))
+    transfers.start_load_kv(meta)
+    assert scheduler.get_num_new_matched_tokens(third, 0) == (None, False)
+    assert scheduler.request_finished(second) == (True, None)  # its blocks are being written
+    until(lambda: "r2" in transfers.get_finished({"r2"})[1])
+    scheduler.update_connector_output(KVConnectorOutput(finished_recving={"r2"}))
+    assert scheduler.get_num_new_matched_tokens(third, 0) == (6 * BS, True)  # no longer waits
+
+
+def test_a_load_that_fails_is_recomputed_and_saved_again(connector) -> None:
+    """Objects gone between the lookup and the load: the blocks past the loaded prefix are
+    reported to vLLM (recomputed), and the scheduler submits them for saving again."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(3000, 3000 + PROMPT))
+    first = request("r1", tokens)
+    compute_and_save(scheduler, transfers, first, list(range(0, 7)))
+    second = request("r2", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, True)
+    keys = worker.resources.keys.keys(list(first.block_hashes[2:6]))
+    assert worker.resources.storage.delete(keys) == 4  # evicted after the lookup
+    ids = list(range(20, 27))
+    scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, ids, 96)], {"r2": 4}))
+    transfers.start_load_kv(meta)
+    until(lambda: "r2" in transfers.get_finished(set())[1])
+    assert transfers.load_errors() == set(ids[2:6])  # vLLM recomputes exactly these
+    worker_meta = transfers.worker_meta()
+    assert worker_meta.failed_hashes == set(first.block_hashes[2:6])
+    scheduler.update_connector_output(
+        KVConnectorOutput(finished_recving={"r2"}, kv_connector_worker_meta=worker_meta)
+    )
+    stats = transfers.take_stats().data
+    assert stats["loaded_tokens"] == 2 * BS and stats["failed_tokens"] == 4 * BS
+    # The next request computes them and saves them again (the scheduler forgot them).
+    third = request("r3", tokens)
+    assert scheduler.get_num_new_matched_tokens(third, 0) == (2 * BS, True)
+    scheduler.update_state_after_alloc(third, blocks(list(range(30, 37))), 2 * BS)
+    meta = scheduler.build_connector_meta(step([(third, list(range(30, 37)), 32)], {"r3": 68}))
+    assert [s.block_hashes for s in meta.saves] == [list(first.block_hashes[2:6])]
+
+
+def test_a_lost_worker_costs_a_recompute_never_a_hang(connector) -> None:
+    scheduler, transfers, worker = connector
+    tokens = list(range(4000, 4000 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r1", tokens), list(range(0, 7)))
+    second = request("r2", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, True)
+    scheduler.update_state_after_alloc(second, blocks(list(range(10, 17))), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, list(range(10, 17)), 96)], {"r2": 4}))
+    transfers.client.close()  # the worker's client is gone: every task fails at once
+    transfers.start_load_kv(meta)
+    until(lambda: "r2" in transfers.get_finished(set())[1])
+    assert transfers.load_errors() == set(range(10, 16))
