@@ -72,7 +72,7 @@ if [[ $MODE == device ]]; then
         || echo "C copier NOT built: the torch copier is used" >&2
 fi
 
-GPU_TESTS=(tests/test_gpu.py tests/test_copier.py tests/test_device.py)
+GPU_TESTS=(tests/engine/test_gpu.py tests/unit/test_copier.py tests/unit/test_device.py)
 step "pytest -m gpu"
 if [[ $MODE == dry ]]; then
     "$PY" -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" -rs \

@@ -19,7 +19,7 @@ from kvtier.storage import make_backend
 from kvtier.storage.file import FileStore, FileStoreConfig, FsyncPolicy
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 
 
 class TestFileStore(StoreContract):

@@ -31,7 +31,7 @@ from worker_helpers import (
     scrape_a_busy_worker,
 )
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 
 
 def test_every_task_type_moves_real_bytes(tmp_path) -> None:

@@ -28,7 +28,7 @@ from kvtier.device import DeviceCache, cache_name
 from netcheck import Namespaces, listeners, namespaces_unavailable
 from worker_helpers import FAST, WSPEC, block, engine, fill, hashes, same
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from kvtier.launcher import start_workers, worker_configs
 from kvtier.shm import SHM_DIR
 from worker_helpers import FAST, WSPEC
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 
 
 def _instance(prefix: str = "lc") -> str:

@@ -19,7 +19,7 @@ import pytest
 from conftest import require_vllm
 from kvtier.shm import SHM_DIR
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 SCENARIO_TIMEOUT_S = 600
 
 

@@ -34,7 +34,7 @@ from kvtier.keys import KeyScheme, block_hashes
 from kvtier.storage.file import FileStore
 from worker_helpers import FAST, WSPEC, block, engine, same
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 
 
 def hashes(n: int, seed: int) -> list[bytes]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from worker_helpers import scrape_a_busy_worker
 
-DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 METRIC = re.compile(r"\b(kvtier_[a-z_]+)")
 LABEL = re.compile(r"\b(?:by \(([a-z_, ]+)\)|([a-z_]+)\s*(?:=~|!=|=)\s*\")")
 
