@@ -1,7 +1,8 @@
 """Run as a script: an 'engine' that launches workers, prints their pids, and waits to die.
 
-argv: LOG_DIR|- WORLD_SIZE INSTANCE [worker-owned|engine-owned]. Engine-owned is the pattern the
-README recommends: the engine creates the device caches and the workers attach to them.
+argv: LOG_DIR|- WORLD_SIZE INSTANCE [worker-owned|engine-owned] [reaper]. Engine-owned is the
+pattern the README recommends: the engine creates the device caches and the workers attach to
+them. ``reaper``: the launch starts a reaper, as the vLLM connector's do.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if __name__ == "__main__":
         device_cache_mode="attach" if engine_owned else "create",
         engine_timeout_s=2.0,
         instance_id=instance,
+        reaper="reaper" in sys.argv[5:],
     )
     assert client.swap_out([1], [0]).status.value == "ok"
     print(" ".join(str(p) for p in client.pids), flush=True)

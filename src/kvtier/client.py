@@ -117,6 +117,7 @@ class Client:
         start_timeout_s: float = START_TIMEOUT_S,
         log_dir: str | Path | None = None,
         client_options: dict[str, Any] | None = None,
+        reaper: bool = False,
         **worker_settings: Any,
     ) -> Client:
         """Start one ``kvtier serve`` process per rank and wait until all are ready.
@@ -126,14 +127,16 @@ class Client:
         (num_host_blocks, device_cache_mode, namespace, model_dir, engine_timeout_s,
         metrics_port: each rank serves on metrics_port + rank, ...); each rank's device cache is
         named ``kvtier-{instance_id}-rank{r}-dev0`` unless ``device_cache`` names it.
-        ``client_options`` are Client options. The workers' logs go to ``log_dir`` (default:
+        ``client_options`` are Client options; ``reaper`` starts a process outside this one's
+        tree that cleans up if this process is killed together with the workers (as vLLM
+        kills its workers). The workers' logs go to ``log_dir`` (default:
         the private launch directory, removed by ``close``); a failed start raises WorkerError
         with the tail of every log.
         """
         instance_id = instance_id or uuid.uuid4().hex[:10]
         worker_settings.setdefault("start_timeout_s", start_timeout_s)  # its wait for a hello
         configs = worker_configs(spec, world_size, storage, instance_id, ranks, worker_settings)
-        launch = start_workers(configs, log_dir)
+        launch = start_workers(configs, log_dir, reaper)
         return cls.from_launch(launch, start_timeout_s, **(client_options or {}))
 
     @classmethod

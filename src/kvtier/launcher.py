@@ -3,7 +3,7 @@
 Each launch writes one YAML config per rank into a private directory (0700) that the launcher
 holds a lock on (``.owner.lock``) for as long as its client lives; the workers log there too.
 A directory whose lock can be taken belongs to a launcher that died (SIGKILL, OOM): the next
-launch on the machine removes it (``reclaim_launch_dirs``).
+launch on the machine removes it (``kvtier.orphans.reclaim_launch_dirs``).
 
 Workers are started so that they import kvtier from the installed package, whatever the
 caller's working directory holds, and know their launcher's pid: they exit within a poll
@@ -16,7 +16,6 @@ import fcntl
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -27,17 +26,16 @@ from typing import Any
 
 import yaml
 
-from kvtier import shm
-from kvtier.config import WorkerConfig, default_socket_dir, env_sources, resolve
+from kvtier import reaper, shm
+from kvtier.config import WorkerConfig, env_sources, resolve
 from kvtier.config_sources import Source
-from kvtier.endpoint import reclaim_endpoint, reclaim_sockets
+from kvtier.endpoint import reclaim_endpoint
 from kvtier.interrupts import deferred_interrupts
+from kvtier.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans
 from kvtier.spec import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
-LAUNCH_DIR_PREFIX = "kvtier-launch-"
-OWNER_LOCK = ".owner.lock"
 # `python -m kvtier.cli` would put the working directory first on sys.path: a `kvtier/` folder
 # there (a checkout, say) would shadow the installed package and every worker would die.
 SERVE_COMMAND = (
@@ -54,6 +52,7 @@ class Launch:
     log_paths: list[Path] = field(default_factory=list)
     directory: Path | None = None
     lock_fd: int | None = None
+    reaper_pid: int | None = None  # cleans up after a launcher killed with its whole tree
 
     @property
     def endpoints(self) -> list[str]:
@@ -88,6 +87,9 @@ class Launch:
         shm.reclaim_orphans()
 
     def remove_directory(self) -> None:
+        if self.reaper_pid is not None:
+            reaper.stop(self.reaper_pid)  # ended cleanly: nothing for it to do
+            self.reaper_pid = None
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
@@ -149,8 +151,14 @@ def _environment(config: WorkerConfig) -> dict[str, str] | None:
     return {**os.environ, **process_environment(config.storage)}
 
 
-def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> Launch:
-    """Write the configs and start one ``kvtier serve`` per config. On failure nothing runs."""
+def start_workers(
+    configs: list[WorkerConfig], log_dir: str | Path | None, reaper_too: bool = False
+) -> Launch:
+    """Write the configs and start one ``kvtier serve`` per config. On failure nothing runs.
+
+    ``reaper_too``: also start a reaper (``kvtier.reaper``) that removes what the launch leaves
+    if this process is killed together with its workers (vLLM kills its workers' whole process
+    trees)."""
     reclaim_orphans()
     launch = Launch(configs)
     with deferred_interrupts():  # a directory without its lock would never be reclaimed
@@ -172,6 +180,8 @@ def start_workers(configs: list[WorkerConfig], log_dir: str | Path | None) -> La
                     )
                 )
             launch.log_paths.append(log_path)
+        if reaper_too:
+            launch.reaper_pid = reaper.start(os.getpid(), [p.pid for p in launch.processes])
     except BaseException:
         with deferred_interrupts():
             launch.kill()
@@ -205,44 +215,6 @@ def _private_directory(instance_id: str) -> tuple[Path, int]:
     fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return path, fd
-
-
-def reclaim_orphans() -> None:
-    """Remove what launchers and workers that died left: shm files, sockets, launch dirs."""
-    shm.reclaim_orphans()
-    try:
-        reclaim_sockets(default_socket_dir())
-    except Exception as e:  # never stop a launch over housekeeping
-        log.debug("socket sweep skipped: %s", e)
-    reclaim_launch_dirs(Path(tempfile.gettempdir()))
-
-
-def reclaim_launch_dirs(directory: Path) -> list[str]:
-    """Remove this user's launch directories whose launcher is provably dead (lock free)."""
-    removed: list[str] = []
-    try:
-        entries = [p for p in directory.iterdir() if p.name.startswith(LAUNCH_DIR_PREFIX)]
-    except OSError:
-        return removed
-    for path in entries:
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            fd = os.open(path / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its launcher lives
-        finally:
-            os.close(fd)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path.name)
-    if removed:
-        log.warning("removed %d launch directories of engines that died", len(removed))
-    return removed
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -334,7 +334,7 @@ class Worker:
         if self.exit_code == EXIT_ENGINE_LOST:
             # The engine died without cleaning up: what it owned (its device caches, its launch
             # directory) is provably orphaned now. Remove it rather than leave it to pile up.
-            from kvtier.launcher import reclaim_orphans
+            from kvtier.orphans import reclaim_orphans
 
             reclaim_orphans()
         log.info("rank %d: stopped", self.rank)

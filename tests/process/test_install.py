@@ -97,7 +97,11 @@ def test_the_device_check_script_parses_and_names_its_gpu_tests() -> None:
     root = Path(__file__).resolve().parents[2]
     script = root / "bench" / "device_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
-    for name in ("tests/engine/test_gpu.py", "tests/unit/test_copier.py", "tests/unit/test_device.py"):
+    for name in (
+        "tests/engine/test_gpu.py",
+        "tests/unit/test_copier.py",
+        "tests/unit/test_device.py",
+    ):
         assert name in script.read_text() and (root / name).exists()
 
 

@@ -330,3 +330,48 @@ def test_a_killed_demo_takes_its_mooncake_master_and_store_node_with_it(tmp_path
     os.killpg(proc.pid, signal.SIGKILL)  # no cleanup at all
     proc.wait(10)
     figures["helpers_gone_s"] = _wait_gone(helpers + children, 10)
+
+
+@pytest.mark.parametrize("owner", ["engine-owned", "worker-owned"])
+def test_an_engine_killed_with_its_whole_tree_leaves_nothing(tmp_path, figures, owner):
+    """vLLM ends its workers by SIGKILLing every descendant (kill_process_tree): the kvtier
+    workers die with the engine and clean nothing. Every `vllm serve` stop left the segment, the
+    launch directory, the socket and its lock. The launch's reaper (outside the tree) removes
+    them."""
+    import psutil
+
+    instance = _instance("tree")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
+    engine = subprocess.Popen(
+        [sys.executable, str(TESTS / "engine_process.py"), "-", "2", instance, owner, "reaper"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+        env=env,
+    )
+    try:
+        assert len(engine.stdout.readline().split()) == 2  # serving
+        assert _leftovers(instance, tmp_path)  # segments, sockets, the launch directory
+        tree = psutil.Process(engine.pid).children(recursive=True)
+        for process in [*tree, psutil.Process(engine.pid)]:  # as vLLM's kill_process_tree
+            process.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        start = time.monotonic()
+        while _leftovers(instance, tmp_path) and time.monotonic() - start < 20:
+            time.sleep(0.05)
+        figures["cleaned_after_s"] = time.monotonic() - start
+        assert not _leftovers(instance, tmp_path)
+    finally:
+        engine.kill()
+
+
+def test_a_launch_that_ends_cleanly_stops_its_reaper(tmp_path) -> None:
+    """The reaper lives outside the launcher's tree: a clean close must end it, or every
+    launch would leave a process behind."""
+    client = Client.launch(WSPEC, 1, {"backend": "memory"}, device_cache_mode="create", reaper=True)
+    assert client._launch is not None
+    pid = client._launch.reaper_pid
+    assert pid is not None and _alive(pid)
+    assert os.getsid(pid) == pid  # its own session: no signal to our group reaches it
+    client.close()
+    _wait_gone([pid], 5)

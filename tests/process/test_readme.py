@@ -13,7 +13,7 @@ def test_readme_python_examples_run() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert blocks, "README has no python example"
     for code in blocks:
-        if "not run by tests/test_readme.py" in code:
+        if "not run by tests/process/test_readme.py" in code:
             continue
         # A unique instance id, so a parallel run or a live engine never collides with the example.
         unique = uuid.uuid4().hex[:8]

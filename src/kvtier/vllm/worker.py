@@ -104,7 +104,8 @@ class WorkerSide:
         configs = worker_configs(
             self.spec, self.world_size, s.storage, self.instance, [self.rank], settings, PREFIX
         )
-        self.launch = start_workers(configs, s.log_dir)
+        # vLLM SIGKILLs its workers' whole process trees: the reaper, outside it, cleans up.
+        self.launch = start_workers(configs, s.log_dir, reaper_too=True)
 
     # ---- the KV cache -----------------------------------------------------------------------
 
