@@ -89,3 +89,20 @@ def lone_worker_flags(instance: str) -> list[str]:
     """``kvtier serve`` flags of a worker that owns its cache and stores in memory."""
     flags = ["--instance-id", instance, "--key_cache_shape", "40,2,16,64", "--num_layers", "2"]
     return flags + ["--device-cache-mode", "create", "--storage_backend", "memory"]
+
+
+def local_worker(prefix: str, **settings):
+    """A started Worker in this process on a ``local://`` endpoint: it owns its device cache
+    (WSPEC) and stores in memory. ``settings`` are WorkerConfig fields."""
+    from kvtier.config import WorkerConfig
+    from kvtier.worker import Worker
+
+    config = WorkerConfig(
+        spec=WSPEC,
+        instance_id=f"{prefix}{uuid.uuid4().hex[:8]}",
+        device_cache_mode="create",
+        storage={"backend": "memory"},
+        endpoint=f"local://{uuid.uuid4().hex}",
+        **settings,
+    )
+    return Worker(config).start()

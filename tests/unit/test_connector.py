@@ -9,14 +9,11 @@ that fails, a load in flight that another request waits for. The real-engine tes
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
 from conftest import fill_random, require_vllm
-from kvtier.config import WorkerConfig
-from kvtier.worker import Worker
-from worker_helpers import WSPEC, block, same
+from worker_helpers import WSPEC, block, local_worker, same
 
 require_vllm()
 
@@ -88,16 +85,8 @@ def until(condition, timeout_s: float = 30.0) -> None:
 @pytest.fixture
 def connector():
     """A worker in this process, the scheduler side and one rank's step transfers on it."""
-    config = WorkerConfig(
-        spec=WSPEC,
-        instance_id=f"cn{uuid.uuid4().hex[:8]}",
-        device_cache_mode="create",
-        storage={"backend": "memory"},
-        num_host_blocks=1,
-        staging_blocks=4,
-        endpoint=f"local://{uuid.uuid4().hex}",
-    )
-    worker = Worker(config).start()
+    worker = local_worker("cn", num_host_blocks=1, staging_blocks=4)
+    config = worker.config
     settings = ConnectorSettings.from_extra_config({"start_timeout_s": 10})
     scheduler = SchedulerSide(
         config.instance_id, 1, BS, settings, endpoints=[config.endpoint_address]

@@ -28,8 +28,7 @@ from kvtier.keys import KeyScheme, block_hashes
 from kvtier.resources import RankResources
 from kvtier.storage.memory import MemoryStore
 from kvtier.transport_local import LocalClient
-from kvtier.worker import Worker
-from worker_helpers import WSPEC, block, same
+from worker_helpers import WSPEC, block, local_worker, same
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:
@@ -224,18 +223,9 @@ def test_a_weight_rollback_needs_to_be_asked_for(control_plane) -> None:
 # ---- a Worker and a Client in one process -----------------------------------------------------
 
 
-@pytest.fixture
-def local_worker():
-    config = WorkerConfig(
-        spec=WSPEC,
-        instance_id=f"lw{uuid.uuid4().hex[:8]}",
-        device_cache_mode="create",
-        storage={"backend": "memory"},
-        num_host_blocks=8,
-        staging_blocks=2,
-        endpoint=f"local://{uuid.uuid4().hex}",
-    )
-    worker = Worker(config).start()
+@pytest.fixture(name="local_worker")
+def local_worker_fixture():
+    worker = local_worker("lw", num_host_blocks=8, staging_blocks=2)
     yield worker
     worker.close()
 
