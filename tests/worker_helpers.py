@@ -97,12 +97,11 @@ def local_worker(prefix: str, **settings):
     from kvtier.config import WorkerConfig
     from kvtier.worker import Worker
 
+    defaults = {"device_cache_mode": "create", "storage": {"backend": "memory"}}
     config = WorkerConfig(
         spec=WSPEC,
         instance_id=f"{prefix}{uuid.uuid4().hex[:8]}",
-        device_cache_mode="create",
-        storage={"backend": "memory"},
         endpoint=f"local://{uuid.uuid4().hex}",
-        **settings,
+        **{**defaults, **settings},
     )
     return Worker(config).start()

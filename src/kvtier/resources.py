@@ -117,6 +117,17 @@ class RankResources:
         if cfg.device_cache_mode is DeviceCacheMode.CREATE and cfg.device == "cpu":
             shm.check_space(cfg.spec.device_bytes, f"device cache {cfg.device_cache_name!r}")
 
+    def storage_summary(self) -> str:
+        """One phrase for the start-up log: the backend, where it is, its capacity."""
+        storage = self.storage
+        if storage is None:
+            return "none"
+        usage = storage.usage()
+        capacity = f"{usage.capacity_bytes / 2**30:.1f} GiB" if usage.capacity_bytes else "none"
+        where = getattr(storage, "root", None) or self.config.storage.get("master_address")
+        place = f" at {where}" if where else ""
+        return f"{storage.kind}{place} (capacity {capacity}, {usage.num_objects} objects held)"
+
     # ---- versions ---------------------------------------------------------------------------
 
     def update_version(self, version: str | None) -> VersionChange | None:

@@ -109,12 +109,15 @@ class Worker:
         self._started = True
         self._last_heard = time.monotonic()
         log.info(
-            "rank %d: serving %s (device cache %s, %d host blocks, storage %s)",
+            "rank %d: serving %s (device cache %s, %d host blocks); storage %s; namespace %s, "
+            "weight version %r",
             self.rank,
             cfg.endpoint_address,
             cfg.device_cache_name,
             cfg.num_host_blocks,
-            cfg.storage.get("backend", "file"),
+            self.resources.storage_summary(),
+            cfg.namespace,
+            self.resources.keys.version,
         )
         if background:
             self._thread = threading.Thread(

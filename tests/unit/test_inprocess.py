@@ -405,3 +405,15 @@ def test_status_observers_never_push_the_engine_out_of_the_peer_table() -> None:
         table.hello(f"old{i}".encode(), t.Hello(protocol_version=99))
     assert table.accepted(b"engine") and not table.observer(b"engine")
     assert len(table) == 4
+
+
+def test_one_start_up_line_names_the_store_its_capacity_the_namespace_and_the_version(
+    tmp_path, caplog
+) -> None:
+    caplog.set_level("INFO", logger="kvtier.worker")
+    store = {"backend": "file", "root": str(tmp_path / "kv"), "capacity_bytes": 3 << 30}
+    worker = local_worker("log", storage=store, namespace="llama.sha256", version="RL-STEP7")
+    worker.close()
+    (line,) = [r.getMessage() for r in caplog.records if "serving" in r.getMessage()]
+    assert f"storage file at {tmp_path / 'kv'} (capacity 3.0 GiB, 0 objects held)" in line
+    assert "namespace llama.sha256, weight version 'RL-STEP7'" in line
