@@ -200,3 +200,20 @@ def test_a_lost_worker_costs_a_recompute_never_a_hang(connector) -> None:
     transfers.start_load_kv(meta)
     until(lambda: "r2" in transfers.get_finished(set())[1])
     assert transfers.load_errors() == set(range(10, 16))
+
+
+def test_a_configuration_error_is_one_clear_line_before_vllms_traceback(caplog) -> None:
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.errors import ConfigError
+    from kvtier.vllm import KvtierConnector
+
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"colour": "red"})
+    )
+    with pytest.raises(ConfigError):
+        KvtierConnector(config, KVConnectorRole.SCHEDULER, None)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line.startswith("kvtier: invalid configuration: kv_connector_extra_config.colour:")

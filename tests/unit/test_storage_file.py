@@ -149,3 +149,15 @@ def test_sigkill_during_large_saves_never_leaves_a_visible_partial_object(tmp_pa
         assert row["tmp_left"] == 0, row  # the next start removed the dead writer's temp files
     assert all(r["killed"] for r in rows)  # every kill landed mid-save
     assert any(r["partial_batch"] for r in rows)  # and some in the middle of a batch
+
+
+def test_the_default_store_has_a_capacity(monkeypatch, tmp_path) -> None:
+    """The store nobody configured (vLLM's connector without `storage`) had no size limit."""
+    from kvtier.storage.file_config import DEFAULT_STORE_CAPACITY_BYTES, FileStoreConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    default = FileStoreConfig.from_dict({})
+    assert default.root == tmp_path / "kvtier" / "store"
+    assert default.capacity_bytes == DEFAULT_STORE_CAPACITY_BYTES == 32 << 30
+    assert FileStoreConfig.from_dict({"capacity_bytes": 1 << 20}).capacity_bytes == 1 << 20
+    assert FileStoreConfig.from_dict({"root": str(tmp_path / "s")}).capacity_bytes is None

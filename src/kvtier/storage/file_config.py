@@ -12,6 +12,10 @@ from typing import Any
 from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
+# The default store (no root given) is bounded: a user who never configured storage must not find
+# the home directory's disk filled by KV. A store at a chosen root is bounded only if asked.
+DEFAULT_STORE_CAPACITY_BYTES = 32 << 30
+
 
 def default_root() -> Path:
     """``$XDG_CACHE_HOME/kvtier/store`` (``~/.cache/kvtier/store``): the XDG convention."""
@@ -74,5 +78,7 @@ class FileStoreConfig:
             raise ConfigError(
                 "storage.permissions", f"got {data['permissions']!r}; allowed: private, group"
             ) from None
+        if not data.get("root") and "capacity_bytes" not in data:
+            capacity = DEFAULT_STORE_CAPACITY_BYTES
         root = Path(data.get("root") or default_root()).expanduser()
         return cls(root, capacity, fsync, threads, permissions)

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvtier.errors import ConfigError
 from kvtier.vllm.metadata import KvtierMetadata
 from kvtier.vllm.settings import ConnectorSettings, default_namespace, instance_name
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
@@ -30,6 +31,13 @@ log = logging.getLogger(__name__)
 class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        try:
+            self._set_up(vllm_config, role, kv_cache_config)
+        except ConfigError as e:  # one clear line before vLLM's tracebacks
+            log.error("kvtier: invalid configuration: %s", e)
+            raise
+
+    def _set_up(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         instance = self.settings.instance_id or instance_name(vllm_config.instance_id)
