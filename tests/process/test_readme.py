@@ -20,3 +20,18 @@ def test_readme_python_examples_run() -> None:
         code = code.replace("kvtier-myengine-", f"kvtier-readme{unique}-")
         code = code.replace('"readme-tp"', f'"readme{unique}"')
         exec(compile(code, str(README), "exec"), {})
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """Command 2 of the README is what .ci/run runs (quiet flags aside): both stay true."""
+    text = README.read_text()
+    command = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("pip install torch") and "pytest" in line
+    )
+    ci = (README.parent / ".ci" / "run").read_text()
+    ran = next(
+        line for line in ci.splitlines() if line.startswith("pip install") and "pytest" in line
+    )
+    assert ran.replace(" -q", "") == command
