@@ -181,7 +181,14 @@ def start_workers(
                 )
             launch.log_paths.append(log_path)
         if reaper_too:
-            launch.reaper_pid = reaper.start(os.getpid(), [p.pid for p in launch.processes])
+            try:
+                launch.reaper_pid = reaper.start(os.getpid(), [p.pid for p in launch.processes])
+            except OSError as e:  # a safety net: the workers run without it
+                log.warning(
+                    "no reaper for this launch (%s): a kill of this process tree may "
+                    "leave files until the next kvtier start",
+                    e,
+                )
     except BaseException:
         with deferred_interrupts():
             launch.kill()

@@ -28,7 +28,9 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 WORKERS_EXIT_S = 10.0  # after the launcher is gone, workers get this long to exit on their own
-START_TIMEOUT_S = 10.0  # the reaper reports its pid within this (it imports nothing heavy)
+# The reaper reports its pid within this: it imports nothing heavy (well under a second on a
+# quiet machine), generous for one at load 10. Past it the launch runs without a reaper.
+START_TIMEOUT_S = 30.0
 
 
 def start(launcher_pid: int, worker_pids: Sequence[int]) -> int:
@@ -47,7 +49,10 @@ def start(launcher_pid: int, worker_pids: Sequence[int]) -> int:
         intermediate.kill()
         intermediate.wait()
         raise OSError("the kvtier reaper did not start") from None
-    return int(out.split()[0])
+    words = out.split()
+    if not words or not words[0].isdigit():
+        raise OSError("the kvtier reaper did not report its pid")
+    return int(words[0])
 
 
 def stop(pid: int) -> None:
