@@ -211,6 +211,9 @@ def _spawn_demo(tmpdir: Path, instance: str, *extra: str) -> subprocess.Popen:
         text=True,
         env=env,
         start_new_session=True,
+        # As a terminal starts it: a runner that started us in the background (no job
+        # control) left SIGINT ignored, which the demo would inherit and never see Ctrl-C.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
