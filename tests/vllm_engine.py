@@ -91,10 +91,25 @@ def scenario_reference(args: dict) -> None:
     emit("abort_reference", **generate(llm, [prompts(1, 300, 900)[0]], max_tokens=24))
 
 
+def saves(args: dict) -> dict:
+    """Blocks the kvtier workers wrote and skipped as already stored, summed over ranks: exact
+    once ``reset`` returned (a request's blocks are released only when its saves are answered;
+    the connector's own counters reach vLLM's metrics a step later)."""
+    with kvtier_client(args) as client:
+        per_rank = client.control("stats").per_rank.values()
+    totals = {"written": 0, "skipped": 0}
+    for result in per_rank:
+        counts = result.data["tasks"].get("save", {})
+        totals["written"] += counts.get("blocks_written", 0)
+        totals["skipped"] += counts.get("blocks_skipped", 0)
+    return totals
+
+
 def scenario_single(args: dict) -> None:
     llm = engine(args)
     emit("first", **generate(llm, prompts()))
     reset(llm)
+    emit("first_saves", **saves(args))
     emit("hits", **generate(llm, prompts()))
     with kvtier_client(args) as client:
         assert client.control("update_weights", version="RL-STEP2").code == 200
@@ -124,12 +139,15 @@ def scenario_single(args: dict) -> None:
 def scenario_restart(args: dict) -> None:
     llm = engine(args)
     emit("restart", **generate(llm, prompts()))
+    reset(llm)
+    emit("restart_saves", **saves(args))
 
 
 def scenario_tp(args: dict) -> None:
     llm = engine(args)
     emit("first", **generate(llm, prompts(2)))
     reset(llm)
+    emit("first_saves", **saves(args))
     emit("hits", **generate(llm, prompts(2)))
 
 
