@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +127,21 @@ def require_vllm() -> None:
         if "vllm" in REQUIRED:
             pytest.fail(f"vLLM is required here (KVTIER_TESTS_REQUIRE): {e}")
         pytest.skip(f"vLLM not usable: {e} (README, command 2)", allow_module_level=True)
+
+
+MODEL_TIMEOUT_S = 600  # building and saving 45 M random parameters, beside a CPU hog
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    """The real-engine tests' tiny random Llama, built once per session (no downloads)."""
+    require_vllm()
+    path = tmp_path_factory.mktemp("model")
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "vllm_engine.py"), "make-model", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=MODEL_TIMEOUT_S,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return str(path)

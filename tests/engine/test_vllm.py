@@ -16,25 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_vllm
 from kvtier.shm import SHM_DIR
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 SCENARIO_TIMEOUT_S = 600
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    require_vllm()
-    path = tmp_path_factory.mktemp("model")
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "vllm_engine.py"), "make-model", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=SCENARIO_TIMEOUT_S,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return str(path)
 
 
 def run(scenario: str, **args) -> dict[str, dict]:
