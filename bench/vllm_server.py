@@ -3,7 +3,7 @@
 One driver for ``kvtier bench serve`` and the tests (``tests/engine/test_vllm_serve.py``). The
 server runs through ``python -m kvtier.vllm serve`` (vLLM's own command line; see that module
 for why) in a session of its own, so a stop can signal its whole process group as a terminal's
-Ctrl-C does. Every process it starts carries ``KVTIER_SERVER_MARK`` in its environment: what a
+Ctrl-C does. Every process it starts carries ``KVBENCH_SERVER_MARK`` in its environment: what a
 stop leaves running — vLLM's workers, kvtier's workers and reaper — is found by that mark, and
 what it leaves on disk by the server's instance id and private ``TMPDIR``.
 """
@@ -97,7 +97,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
         env.update(
             TMPDIR=str(self.tmpdir),  # kvtier's sockets and launch dirs: this server's own
-            KVTIER_SERVER_MARK=self.mark,
+            KVBENCH_SERVER_MARK=self.mark,
             VLLM_HOST_IP="127.0.0.1",
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
             **self.env,
@@ -107,7 +107,10 @@ class Server:
         log = open(self.log_path, "ab")  # noqa: SIM115  (the server's, closed by the child)
         with log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
                 start_new_session=True,
             )
         return self
@@ -201,7 +204,9 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
-            raise TimeoutError(f"vllm serve ignored {signal.Signals(sig).name}:\n{self.tail()}")
+            raise TimeoutError(
+                f"vllm serve ignored {signal.Signals(sig).name}:\n{self.tail()}"
+            ) from None
         deadline = start + STOP_TIMEOUT_S
         while self.marked() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -215,9 +220,9 @@ class Server:
         for proc in psutil.process_iter(["environ", "status"]):
             try:
                 env = proc.info["environ"] or {}
-                if env.get("KVTIER_SERVER_MARK") == self.mark:
-                    if proc.info["status"] != psutil.STATUS_ZOMBIE:
-                        pids.append(proc.pid)
+                alive = proc.info["status"] != psutil.STATUS_ZOMBIE
+                if alive and env.get("KVBENCH_SERVER_MARK") == self.mark:
+                    pids.append(proc.pid)
             except (psutil.Error, OSError):
                 continue
         return pids

@@ -165,6 +165,7 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         "--metrics-port", type=integer(0, 65535), help="Prometheus exporter on 127.0.0.1"
     )
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--cpu-cores", help="run on these cores (a CPU list: 1 or 0,2-3)")
     serve.add_argument(
         "--write_policy",
         "--write-policy",
@@ -222,6 +223,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "start_timeout_s",
         "metrics_port",
         "log_level",
+        "cpu_cores",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     if args.key_cache_shape:

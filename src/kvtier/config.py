@@ -93,6 +93,7 @@ class WorkerConfig:
     log_level: str = "INFO"
     parent_pid: int | None = None  # exit as soon as this process (the launcher) is gone
     auth_key_file: str | None = None  # the instance secret; required on tcp:// endpoints
+    cpu_cores: str | None = None  # a CPU list ("1", "0,2-3"); default: the cores it started on
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.instance_id or ""):
@@ -136,6 +137,10 @@ class WorkerConfig:
             _int_at_least("metrics_port", self.metrics_port, 0)
             if self.metrics_port > 65535:
                 raise ConfigError("metrics_port", f"must be <= 65535, got {self.metrics_port}")
+        if self.cpu_cores is not None:
+            from kvtier.cpus import parse_cpu_list
+
+            parse_cpu_list(self.cpu_cores)
         if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ConfigError("device", f"got {self.device!r}; allowed: cpu, cuda, cuda:N")
         if str(self.log_level).upper() not in LOG_LEVELS:

@@ -29,6 +29,7 @@ import yaml
 from kvtier import reaper, shm
 from kvtier.config import WorkerConfig, env_sources, resolve
 from kvtier.config_sources import Source
+from kvtier.cpus import OMP_PLACEMENT_VARIABLES
 from kvtier.endpoint import reclaim_endpoint
 from kvtier.interrupts import deferred_interrupts
 from kvtier.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans
@@ -142,13 +143,15 @@ def _tcp_for_rank(endpoint: str, rank: int) -> str:
     return f"{host}:{int(port) + rank}"
 
 
-def _environment(config: WorkerConfig) -> dict[str, str] | None:
-    """A worker's environment: ours, plus what Mooncake needs from the start (bind guard)."""
+def _environment(config: WorkerConfig) -> dict[str, str]:
+    """A worker's environment: ours without an engine's OpenMP binding (``cpu_cores`` places
+    the worker), plus what Mooncake needs from the start (bind guard)."""
+    env = {k: v for k, v in os.environ.items() if k not in OMP_PLACEMENT_VARIABLES}
     if config.storage.get("backend") != "mooncake":
-        return None
+        return env
     from kvtier.storage.mooncake_setup import process_environment
 
-    return {**os.environ, **process_environment(config.storage)}
+    return {**env, **process_environment(config.storage)}
 
 
 def start_workers(

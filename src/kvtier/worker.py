@@ -33,6 +33,7 @@ from kvtier.auth import CurveKeys
 from kvtier.config import WorkerConfig
 from kvtier.connect import server_transport
 from kvtier.control_plane import Answer, ControlPlane
+from kvtier.cpus import run_on
 from kvtier.endpoint import EndpointClaim
 from kvtier.gate import Gate, Refusal, WorkerState
 from kvtier.peers import PeerTable
@@ -138,6 +139,7 @@ class Worker:
         """Run until shutdown, SIGTERM / SIGINT or engine loss; return the exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.request_stop())
+        run_on(self.config.cpu_cores)  # first: the threads started later inherit it
         self.start(background=False)
         self._loop()
         return self.exit_code or EXIT_OK

@@ -531,3 +531,30 @@ def test_the_engines_silence_counts_from_its_first_hello(tmp_path) -> None:
         for proc in (patient, brief):
             proc.kill()
             proc.wait()
+
+
+def test_cpu_cores_place_every_thread_of_the_worker(tmp_path, monkeypatch) -> None:
+    """``cpu_cores`` moves the worker and every thread it starts there, and an engine's
+    OpenMP binding (vLLM's ``OMP_PLACES``) is not inherited: it would pull kvtier's threads
+    back onto the engine's compute cores."""
+    core = max(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_PLACES", "{0}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    with engine(tmp_path, world_size=1, cpu_cores=str(core)) as (client, _):
+        assert client.save(hashes(2), [1, 2]).status is t.Status.OK  # its threads exist now
+        (pid,) = client.pids
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+        assert len(threads) > 1
+        for thread in threads:
+            assert os.sched_getaffinity(int(thread.name)) == {core}
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith((b"OMP_PLACES=", b"OMP_PROC_BIND="))]
+
+
+def test_a_bad_cpu_list_names_the_field() -> None:
+    from kvtier.config import WorkerConfig
+    from kvtier.errors import ConfigError
+
+    for bad in ("", "a", "3-1", "1,,x"):
+        with pytest.raises(ConfigError, match="cpu_cores"):
+            WorkerConfig(spec=WSPEC, instance_id="x", cpu_cores=bad)

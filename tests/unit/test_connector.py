@@ -75,6 +75,22 @@ def step(new: list[tuple[Request, list[int], int]], scheduled: dict[str, int]) -
     )
 
 
+def decode_step(req: Request, computed: int, new_ids: list[int] | None = None) -> SchedulerOutput:
+    """A step decoding one token of a running request."""
+    cached = CachedRequestData(
+        req_ids=[req.request_id],
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=[(new_ids,) if new_ids else None],
+        num_computed_tokens=[computed],
+        num_output_tokens=[req.num_output_tokens],
+    )
+    out = step([], {req.request_id: 1})
+    out.scheduled_cached_reqs = cached
+    return out
+
+
 def until(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -83,11 +99,14 @@ def until(condition, timeout_s: float = 30.0) -> None:
 
 
 @pytest.fixture
-def connector():
-    """A worker in this process, the scheduler side and one rank's step transfers on it."""
+def connector(request):
+    """A worker in this process, the scheduler side and one rank's step transfers on it
+    (``@pytest.mark.parametrize("connector", [{settings}], indirect=True)`` changes its
+    settings)."""
     worker = local_worker("cn", num_host_blocks=1, staging_blocks=4)
     config = worker.config
-    settings = ConnectorSettings.from_extra_config({"start_timeout_s": 10})
+    extra = {"start_timeout_s": 10, **getattr(request, "param", {})}
+    settings = ConnectorSettings.from_extra_config(extra)
     scheduler = SchedulerSide(
         config.instance_id, 1, BS, settings, endpoints=[config.endpoint_address]
     )
@@ -217,3 +236,95 @@ def test_a_configuration_error_is_one_clear_line_before_vllms_traceback(caplog) 
         KvtierConnector(config, KVConnectorRole.SCHEDULER, None)
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert line.startswith("kvtier: invalid configuration: kv_connector_extra_config.colour:")
+
+
+def round_trips(scheduler) -> int:
+    """Lookups the scheduler sent to the workers since the last step's metadata."""
+    meta = scheduler.build_connector_meta(step([], {}))
+    return meta.lookup_counts.get("lookup_round_trips", 0)
+
+
+def test_a_waiting_request_is_looked_up_once(connector, monkeypatch) -> None:
+    """vLLM asks on every scheduling attempt while a request waits for blocks: one round trip
+    answers them all, shortened where vLLM's own cache now covers more; a reset (a weight
+    update), a failed load and the age bound each make the next ask a new lookup."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(5000, 5000 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r1", tokens), list(range(0, 7)))
+    round_trips(scheduler)
+    waiting = request("r2", tokens)
+    for _ in range(5):  # no free blocks yet: vLLM asks again each step
+        assert scheduler.get_num_new_matched_tokens(waiting, 0) == (6 * BS, True)
+    assert round_trips(scheduler) == 1
+    # vLLM's own prefix cache now holds the first 2 blocks: kvtier offers the other 4.
+    assert scheduler.get_num_new_matched_tokens(waiting, 2 * BS) == (4 * BS, True)
+    assert round_trips(scheduler) == 0
+    assert scheduler.reset_cache() is True  # after a weight update: ask again
+    assert scheduler.get_num_new_matched_tokens(waiting, 0) == (6 * BS, True)
+    assert round_trips(scheduler) == 1
+    monkeypatch.setattr("kvtier.vllm.scheduler.LOOKUP_REUSE_S", 0.0)
+    time.sleep(0.01)
+    assert scheduler.get_num_new_matched_tokens(waiting, 0) == (6 * BS, True)
+    assert round_trips(scheduler) == 1
+    # Allocated: a later ask (after a preemption) is a new question.
+    monkeypatch.setattr("kvtier.vllm.scheduler.LOOKUP_REUSE_S", 60.0)
+    scheduler.get_num_new_matched_tokens(waiting, 0)
+    scheduler.update_state_after_alloc(waiting, blocks(list(range(10, 17))), 0)
+    round_trips(scheduler)
+    scheduler.get_num_new_matched_tokens(waiting, 0)
+    assert round_trips(scheduler) == 1
+
+
+def test_a_steps_saves_go_to_the_worker_as_one_task(connector) -> None:
+    scheduler, transfers, worker = connector
+    reqs = [
+        request(f"s{i}", list(range(6000 + 1000 * i, 6000 + 1000 * i + PROMPT))) for i in range(3)
+    ]
+    new = []
+    for i, req in enumerate(reqs):
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        ids = list(range(7 * i, 7 * i + 7))
+        scheduler.update_state_after_alloc(req, blocks(ids), 0)
+        new.append((req, ids, 0))
+    meta = scheduler.build_connector_meta(step(new, {r.request_id: PROMPT for r in reqs}))
+    assert len(meta.saves) == 3
+    before = worker.stats()["tasks"].get("save", {})
+    transfers.wait_for_save(meta)
+    for req in reqs:
+        assert scheduler.request_finished(req) == (True, None)
+    ids = {r.request_id for r in reqs}
+    done: set[str] = set()
+    until(lambda: done.update(transfers.get_finished(ids)[0]) or done == ids)
+    stats = transfers.take_stats().data
+    assert stats["save_tasks"] == 1 and stats["saved_tokens"] == 3 * 6 * BS
+    after = worker.stats()["tasks"]["save"]
+    assert after["tasks"] - before.get("tasks", 0) == 1
+    assert after["blocks_written"] - before.get("blocks_written", 0) == 18
+
+
+@pytest.mark.parametrize("connector", [{}, {"save_generated": False}], indirect=True)
+def test_full_blocks_of_generated_tokens_are_saved_for_the_next_turn(connector) -> None:
+    """A chat's next turn is the earlier prompt + the answer + a new message: with
+    ``save_generated`` (the default) the answer's full blocks are saved as decode fills them,
+    and the next turn hits them; without it only the prompt's are."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(7000, 7000 + PROMPT))
+    answer = [42 + j for j in range(2 * BS)]  # 32 tokens: 132 in all, 8 full blocks
+    turn, ids = request("t1", tokens), list(range(0, 9))
+    assert scheduler.get_num_new_matched_tokens(turn, 0) == (0, False)
+    scheduler.update_state_after_alloc(turn, blocks(ids[:7]), 0)
+    transfers.wait_for_save(
+        scheduler.build_connector_meta(step([(turn, ids[:7], 0)], {"t1": PROMPT}))
+    )
+    for k, token in enumerate(answer):  # each decode step computes one more token's KV
+        turn.append_output_token_ids(token)
+        computed = PROMPT + k
+        new_ids = [ids[computed // BS]] if computed % BS == 0 else None
+        transfers.wait_for_save(
+            scheduler.build_connector_meta(decode_step(turn, computed, new_ids))
+        )
+    assert scheduler.request_finished(turn) == (True, None)  # its saves may be in flight
+    until(lambda: transfers.get_finished({"t1"})[0] == {"t1"})
+    second = request("t2", tokens + answer + list(range(9000, 9040)))
+    found, _ = scheduler.get_num_new_matched_tokens(second, 0)
+    assert found == (8 if scheduler.settings.save_generated else 6) * BS

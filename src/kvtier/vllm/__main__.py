@@ -24,7 +24,7 @@ def _version(name: str, _real=importlib.metadata.version) -> str:
 
 
 def main() -> None:
-    importlib.metadata.version = _version
+    importlib.metadata.version = _version  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"

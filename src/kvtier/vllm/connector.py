@@ -158,6 +158,9 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     # ---- stats ------------------------------------------------------------------------------
 
     @classmethod

@@ -5,12 +5,18 @@
   version, fingerprint, rank — so there is no second copy of that logic here) and offers the
   shortest prefix over ranks, block-aligned, never the prompt's last token. Loads are
   asynchronous: the request waits in WAITING_FOR_REMOTE_KVS while other requests run.
+- One lookup per request: vLLM asks again on every scheduling attempt while a request waits
+  (no free blocks, the token budget spent); the answer is kept and reused — shortened when
+  vLLM's own cache now covers more of the prompt — until the request is allocated, finishes,
+  a load fails, vLLM resets the connector's cache (``reset_cache``: after a weight update) or
+  ``LOOKUP_REUSE_S`` passes.
 - Deduplication: while a load of some blocks is in flight, a request that needs the same blocks
   waits (``None``) and then hits them in vLLM's own prefix cache, so each object is loaded once;
   a block hash submitted for saving is not submitted again.
-- Saves: every full prompt block, once the step that computes it has run (chunked prefill
-  included), is saved asynchronously by the worker sides (``wait_for_save``), never on the
-  critical path.
+- Saves: every full prompt block — and, with ``save_generated`` (default), every full block of
+  generated tokens, so a chat's next turn hits its previous answer — once the step that
+  computes it has run (chunked prefill included), is saved asynchronously by the worker sides
+  (``wait_for_save``: one task per step), never on the critical path.
 - Fences: a request whose load or saves are still in flight keeps its blocks after it finishes
   (``request_finished`` returns True) until the workers report the transfer done; a preempted
   request's saves are waited for before its blocks are reused (``handle_preemptions``).
@@ -19,6 +25,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +40,23 @@ log = logging.getLogger(__name__)
 
 MAX_REMEMBERED_HASHES = 1 << 20  # hashes known saved: a bounded LRU (~32 MiB at most)
 LOOKUP_TIMEOUT_S = 10.0
+# A kept lookup answer is this old at most: objects evicted meanwhile cost a failed load (a
+# recompute), never a wrong token, so the bound is about wasted work, not correctness.
+LOOKUP_REUSE_S = 5.0
+
+
+@dataclass
+class _Lookup:
+    first: int  # the first block looked up
+    last: int  # one past the last
+    count: int  # leading blocks stored
+    at: float  # time.monotonic() of the answer
+
+    def reuse(self, first: int, last: int, now: float) -> int | None:
+        """The answer for blocks ``first:last``, if this one still gives it."""
+        if last != self.last or first < self.first or now - self.at > LOOKUP_REUSE_S:
+            return None
+        return max(0, self.first + self.count - first)
 
 
 @dataclass
@@ -65,6 +89,7 @@ class SchedulerSide:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._pending_load: dict[str, tuple[int, int, int]] = {}  # first, count, requested
+        self._lookups: dict[str, _Lookup] = {}  # kept answers of requests still waiting
         self._loads_out: list[LoadSpec] = []
         self._loading: dict[str, list[bytes]] = {}
         self._loading_hashes: Counter[bytes] = Counter()
@@ -86,9 +111,15 @@ class SchedulerSide:
             return 0, False
         if any(h in self._loading_hashes for h in wanted):
             return None, False  # being loaded for another request: wait, then hit it locally
-        count = self._lookup(wanted)
-        for h in wanted[count:]:  # not stored (any more): a save may store it again
-            self._submitted.pop(h, None)
+        now = time.monotonic()
+        kept = self._lookups.get(request.request_id)
+        count = kept.reuse(first, last, now) if kept is not None else None
+        if count is None:
+            count = self._lookup(wanted)
+            self._lookups[request.request_id] = _Lookup(first, last, count, now)
+            self._counts.update(lookup_round_trips=1)
+            for h in wanted[count:]:  # not stored (any more): a save may store it again
+                self._submitted.pop(h, None)
         if count == 0:
             self._pending_load.pop(request.request_id, None)
             self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)
@@ -110,6 +141,7 @@ class SchedulerSide:
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         tracked.request = request
         tracked.block_ids = list(blocks.get_block_ids()[0])
+        self._lookups.pop(request.request_id, None)  # scheduled: a later ask is a new question
         pending = self._pending_load.pop(request.request_id, None)
         if pending is None:
             return
@@ -166,10 +198,13 @@ class SchedulerSide:
         return meta
 
     def _save_for(self, req_id: str, tokens_done: int) -> SaveSpec | None:
-        """The full prompt blocks this step completes that nobody saved yet."""
+        """The full blocks this step completes that nobody saved yet: the prompt's, and with
+        ``save_generated`` the generated tokens' too."""
         tracked = self._tracked[req_id]
         request = tracked.request
-        full = min(tokens_done, request.num_prompt_tokens) // self.block_size
+        if not self.settings.save_generated:
+            tokens_done = min(tokens_done, request.num_prompt_tokens)
+        full = tokens_done // self.block_size
         full = min(full, len(request.block_hashes), len(tracked.block_ids))
         if full <= tracked.saved_blocks:
             return None
@@ -202,6 +237,8 @@ class SchedulerSide:
         if isinstance(meta, KvtierWorkerMetadata):
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
+            if meta.failed_hashes:
+                self._lookups.clear()  # kept answers may name them too
 
     def _finish_loading(self, req_id: str) -> None:
         for h in self._loading.pop(req_id, ()):
@@ -213,10 +250,18 @@ class SchedulerSide:
         """Keep the blocks while a load or a save of this request is in flight."""
         tracked = self._tracked.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         # A sync load ended within its step (the forward waited for it): nothing to fence.
         loading = request.request_id in self._loading and not self.sync_loads
         saving = tracked is not None and tracked.has_saves
         return loading or saving, None
+
+    def reset_cache(self) -> bool:
+        """vLLM resets caches (after a weight update): forget kept lookups and saved hashes,
+        so nothing is skipped or promised on the strength of what the old weights stored."""
+        self._lookups.clear()
+        self._submitted.clear()
+        return True
 
     def close(self) -> None:
         if self.client is not None:

@@ -25,6 +25,8 @@ class ConnectorSettings:
     - ``instance_id``: names this engine's workers and caches (default: vLLM's instance id).
     - ``load_mode``: ``async`` (default: a hit waits in WAITING_FOR_REMOTE_KVS while other
       requests run) or ``sync`` (loads run before the step's forward, which waits for them).
+    - ``save_generated``: save full blocks of generated tokens too (default True: a chat's
+      next turn, its prompt = the earlier turns + the answer + a new message, hits the answer).
     - ``staging_blocks``: blocks per storage step in each worker (default 16).
     - ``start_timeout_s``, ``task_timeout_s``: worker start and per-task bounds.
     - ``metrics_port``: kvtier's own Prometheus exporter per worker (port + rank; 0: any).
@@ -37,6 +39,7 @@ class ConnectorSettings:
     model_dir: str | None = None
     instance_id: str | None = None
     load_mode: str = "async"
+    save_generated: bool = True
     staging_blocks: int = 16
     start_timeout_s: float = 120.0
     task_timeout_s: float = 120.0
@@ -66,6 +69,8 @@ class ConnectorSettings:
             raise ConfigError(
                 f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"
             )
+        if not isinstance(self.save_generated, bool):
+            raise ConfigError(f"{PREFIX}.save_generated", "must be true or false")
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int):
             raise ConfigError(f"{PREFIX}.staging_blocks", "must be an integer >= 1")
         if self.staging_blocks < 1:

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 COUNTERS = {
     "lookups": "requests looked up in kvtier",
+    "lookup_round_trips": "lookups sent to the kvtier workers (a waiting request's answer is kept)",
     "requested_tokens": "prompt tokens looked up in kvtier",
     "found_tokens": "tokens kvtier holds on every rank (accepted hits)",
     "loaded_tokens": "tokens loaded, verified, in vLLM's blocks (summed over ranks)",
@@ -29,6 +30,7 @@ COUNTERS = {
     "skipped_tokens": "tokens to save that were already stored: not written again (summed)",
     "save_bytes": "bytes written to storage",
     "save_failures": "save tasks that failed",
+    "save_tasks": "save tasks sent (one per step that saves)",
 }
 
 

@@ -62,11 +62,18 @@ class StepTransfers:
             self._account_load(future, spec)
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
-        """Submit this step's saves; never waits for them (they finish off the critical path)."""
+        """Submit this step's saves, every request's in one task; never waits for them (they
+        finish off the critical path). Each request is reported sent once that task is."""
+        if not meta.saves:
+            return
+        task = t.Save(
+            block_hashes=[h for spec in meta.saves for h in spec.block_hashes],
+            device_block_ids=[i for spec in meta.saves for i in spec.block_ids],
+        )
+        future = self._submit(task)
+        self._count(save_tasks=1)
+        future.add_done_callback(self._account_save)  # counted when answered
         for spec in meta.saves:
-            task = t.Save(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
-            future = self._submit(task)
-            future.add_done_callback(self._account_save)  # counted when answered
             self._saves[spec.req_id].append(future)
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:

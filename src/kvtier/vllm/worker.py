@@ -21,11 +21,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvtier.client import Client
+from kvtier.cpus import format_cpu_list
 from kvtier.device import DeviceCache, cache_name
 from kvtier.errors import DeviceCacheError
 from kvtier.launcher import Launch, start_workers, worker_configs
 from kvtier.spec import Part
 from kvtier.vllm.layout import layer_order, spec_and_layout
+from kvtier.vllm.placement import for_this_rank
 from kvtier.vllm.settings import PREFIX
 from kvtier.vllm.transfers import StepTransfers
 
@@ -101,6 +103,10 @@ class WorkerSide:
         }
         if s.metrics_port is not None:
             settings["metrics_port"] = s.metrics_port
+        where = for_this_rank()
+        if where.cores:
+            settings["cpu_cores"] = format_cpu_list(where.cores)
+        log.info("kvtier: rank %d's worker runs %s", self.rank, where.note)
         configs = worker_configs(
             self.spec, self.world_size, s.storage, self.instance, [self.rank], settings, PREFIX
         )

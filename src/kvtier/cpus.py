@@ -1,0 +1,69 @@
+"""Which cores a worker runs on: Linux CPU lists (``"1,4-6"``), read, written and applied."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# vLLM's OpenMP binding, inherited from a vLLM worker: it would bind kvtier's own OpenMP threads
+# (torch's) to vLLM's compute cores, whatever the worker's affinity says.
+OMP_PLACEMENT_VARIABLES = ("OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY", "GOMP_CPU_AFFINITY")
+
+
+def parse_cpu_list(text: str, field: str = "cpu_cores") -> frozenset[int]:
+    """``"0,2-3"`` -> {0, 2, 3}; a ConfigError naming ``field`` otherwise."""
+    cores: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ConfigError(field, f"{text!r} is not a CPU list like '1' or '0,2-3'") from None
+        if first < 0 or last < first or last > 65535:
+            raise ConfigError(field, f"{text!r}: bad range {part!r}")
+        cores.update(range(first, last + 1))
+    if not cores:
+        raise ConfigError(field, f"{text!r} names no core")
+    return frozenset(cores)
+
+
+def format_cpu_list(cores: set[int] | frozenset[int]) -> str:
+    """{0, 2, 3} -> ``"0,2-3"``."""
+    out: list[str] = []
+    for core in sorted(cores):
+        if out and "-" in out[-1] and int(out[-1].rsplit("-", 1)[1]) == core - 1:
+            out[-1] = f"{out[-1].rsplit('-', 1)[0]}-{core}"
+        elif out and out[-1].isdigit() and int(out[-1]) == core - 1:
+            out[-1] = f"{out[-1]}-{core}"
+        else:
+            out.append(str(core))
+    return ",".join(out)
+
+
+def run_on(cpu_cores: str | None) -> None:
+    """Move this process — every thread it has (imports start some) and, by inheritance, every
+    thread it starts later — to ``cores``; a warning, not a failure, where the system refuses
+    (a cpuset without them). None: stay where it started."""
+    if cpu_cores is None:
+        return
+    cores = parse_cpu_list(cpu_cores)
+    try:
+        os.sched_setaffinity(0, cores)
+        for task in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(task), cores)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+    except OSError as e:
+        log.warning(
+            "cannot run on cores %s (%s): staying on %s",
+            format_cpu_list(cores),
+            e,
+            format_cpu_list(frozenset(os.sched_getaffinity(0))),
+        )
