@@ -105,10 +105,46 @@ def vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
+def serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=COUNT, default=3, help="interleaved rounds, fresh servers")
+    p.add_argument(
+        "--workloads",
+        default="prefix_reuse,no_reuse,multi_turn,high_concurrency",
+        help="comma-separated subset",
+    )
+    p.add_argument("--prefixes", type=COUNT, default=12, help="(a) distinct long prefixes")
+    p.add_argument("--prefix-tokens", type=COUNT, default=1800, help="(a, b) prompt tokens")
+    p.add_argument("--repeats", type=COUNT, default=4, help="(a) requests per prefix")
+    p.add_argument("--concurrency", type=COUNT, default=3, help="(a, b) requests in flight")
+    p.add_argument("--unique-prompts", type=COUNT, default=16, help="(b) prompts")
+    p.add_argument("--output-tokens", type=COUNT, default=16, help="(a, b, d) tokens generated")
+    p.add_argument("--users", type=COUNT, default=6, help="(c) chat users, all in flight")
+    p.add_argument("--turns", type=COUNT, default=3, help="(c) turns per user")
+    p.add_argument("--first-turn-tokens", type=COUNT, default=1500, help="(c) first prompt")
+    p.add_argument("--turn-tokens", type=COUNT, default=200, help="(c) each later message")
+    p.add_argument("--answer-tokens", type=COUNT, default=64, help="(c) tokens per answer")
+    p.add_argument("--hc-prefixes", type=COUNT, default=32, help="(d) distinct prefixes")
+    p.add_argument("--hc-prefix-tokens", type=COUNT, default=1024, help="(d) prefix tokens")
+    p.add_argument("--hc-concurrency", type=COUNT, default=16, help="(d) requests in flight")
+    p.add_argument(
+        "--kv-bytes", type=SIZE, default=64 << 20, help="vLLM's KV cache (its own prefix cache)"
+    )
+    p.add_argument(
+        "--reserved-cpus",
+        type=integer(0),
+        default=None,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers (default: 2 above 4 cores, else 1)",
+    )
+    p.add_argument("--model", help="a model directory (default: build a random Llama)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")
+
+
 ARGUMENTS = {
     "copy": copy_arguments,
     "storage": storage_arguments,
     "e2e": e2e_arguments,
     "latency": latency_arguments,
     "vllm": vllm_arguments,
+    "serve": serve_arguments,
 }

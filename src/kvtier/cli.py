@@ -33,6 +33,10 @@ BENCHES = {
         "a real vLLM engine: recompute vs kvtier miss+save vs kvtier hits",
         "kvtier_bench.vllm",
     ),
+    "serve": (
+        "vllm serve with kvtier vs without: fair binding, 4 workloads, interleaved rounds",
+        "kvtier_bench.serve",
+    ),
 }
 
 

@@ -1,0 +1,243 @@
+"""`vllm serve` with kvtier vs without, as operators run it, on one fair binding.
+
+Each round starts a fresh server without a connector and a fresh one with kvtier (a new file
+store), one at a time, in alternating order, and drives each through the same workloads with a
+streaming OpenAI client: (a) prefix reuse, a working set 2-3x vLLM's own cache; (b) no reuse;
+(c) a multi-turn chat; (d) high concurrency. vLLM's prefix cache is reset between workloads.
+Both servers get the same CPU reservation (vLLM 0.32 on CPU reserves one more core per rank
+when a KV connector is configured: on a small machine that changes how many cores compute).
+Ratios are kvtier / no connector within a round, then the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier_bench import serve_load as load
+from kvtier_bench.common import print_json_rows, progress, save_plot
+from kvtier_bench.vllm_server import Server
+
+COUNTERS = {
+    "vllm_hit_tokens": "vllm:prefix_cache_hits_total",
+    "external_hit_tokens": "vllm:external_prefix_cache_hits_total",
+    "kvtier_loaded_tokens": "vllm:kvtier_loaded_tokens_total",
+    "kvtier_failed_tokens": "vllm:kvtier_failed_tokens_total",
+    "lookup_round_trips": "vllm:kvtier_lookup_round_trips_total",
+    "save_tasks": "vllm:kvtier_save_tasks_total",
+}
+SHOWN = [  # (figure, label, goal for kvtier / no connector)
+    ("requests_per_s", "requests/s", ">="),
+    ("ttft_mean_s", "TTFT mean", "<="),
+    ("ttft_p50_s", "TTFT p50", "<="),
+    ("ttft_p90_s", "TTFT p90", "<="),
+    ("ttft_p99_s", "TTFT p99", "<="),
+    ("seen_ttft_p50_s", "TTFT p50, prefix seen before", "<="),
+    ("seen_ttft_p99_s", "TTFT p99, prefix seen before", "<="),
+    ("tpot_mean_s", "TPOT mean", "<="),
+]
+
+
+def workloads(args: argparse.Namespace) -> dict[str, tuple[list[load.Session], int, int]]:
+    """name -> (sessions, concurrency, output tokens)."""
+    every = {
+        "prefix_reuse": (
+            load.prefix_reuse(1, args.prefixes, args.prefix_tokens, args.repeats, 32),
+            args.concurrency,
+            args.output_tokens,
+        ),
+        "no_reuse": (
+            load.no_reuse(2, args.unique_prompts, args.prefix_tokens),
+            args.concurrency,
+            args.output_tokens,
+        ),
+        "multi_turn": (
+            load.chat(3, args.users, args.turns, args.first_turn_tokens, args.turn_tokens),
+            args.users,
+            args.answer_tokens,
+        ),
+        "high_concurrency": (
+            load.prefix_reuse(4, args.hc_prefixes, args.hc_prefix_tokens, 2, 32),
+            args.hc_concurrency,
+            args.output_tokens,
+        ),
+    }
+    return {name: every[name] for name in args.workloads.split(",")}
+
+
+def reserved_cpus(args: argparse.Namespace) -> int:
+    """What vLLM reserves with a connector at TP=1 (2), where that leaves a core to compute;
+    else 1 — on both servers."""
+    if args.reserved_cpus is not None:
+        return args.reserved_cpus
+    return 2 if len(os.sched_getaffinity(0)) > 4 else 1
+
+
+def binding(server: Server) -> str:
+    """The OpenMP binding vLLM logged: compute cores and reserved cores."""
+    text = server.tail(10**7)
+    cores = re.findall(r"core ids=(\[[^\]]*\])", text)
+    reserved = re.findall(r"reserved_cpus=(\[[^\]]*\])", text)
+    return f"compute {cores[-1] if cores else '?'} reserved {reserved[-1] if reserved else '?'}"
+
+
+def one_server(args, model: str, root: Path, kvtier: bool, run: int, plan) -> dict[str, Any]:
+    extra = None
+    if kvtier:
+        extra = {"storage": {"backend": "file", "root": str(root / f"store{run}")}}
+    server = Server(
+        model,
+        root / f"{'kvtier' if kvtier else 'plain'}{run}",
+        kvtier=extra,
+        kv_bytes=args.kv_bytes,
+        max_num_seqs=max(args.hc_concurrency, args.concurrency, args.users),
+        reserved_cpus=reserved_cpus(args),
+    )
+    out: dict[str, Any] = {}
+    try:
+        server.start()
+        out["ready_s"] = server.wait_ready()
+        out["binding"] = binding(server)
+        server.complete([5, 6, 7, 8], 2)  # warm-up, unrelated to every workload
+        for name, (sessions, concurrency, output) in plan.items():
+            server.reset_prefix_cache()
+            before = server.metrics()
+            records = load.run(server, sessions, concurrency, output)
+            after = server.metrics()
+            moved = {k: after.get(v, 0) - before.get(v, 0) for k, v in COUNTERS.items()}
+            out[name] = {
+                **load.figures(records),
+                **moved,
+                "tokens": [r.tokens for r in records],
+                "load_average": os.getloadavg()[0],
+            }
+            progress(f"  {name}: {out[name]['requests_per_s']:.3f} requests/s")
+        out["stop_s"] = server.stop()
+        out["left"] = server.leftovers()
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.stop("group", 9)
+        server.kill_marked()
+    return out
+
+
+def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
+    rows = []
+    for name in plan:
+        pairs = [(r["plain"][name], r["kvtier"][name]) for r in rounds]
+        same = sum(p["tokens"] == k["tokens"] for p, k in pairs)
+        for figure, label, goal in SHOWN:
+            values = [(p.get(figure), k.get(figure)) for p, k in pairs]
+            values = [(p, k) for p, k in values if p and k is not None]
+            if not values:
+                continue
+            rows.append(
+                {
+                    "workload": name,
+                    "measure": label,
+                    "figure": figure,
+                    "plain": statistics.median(p for p, _ in values),
+                    "kvtier": statistics.median(k for _, k in values),
+                    "ratio": statistics.median(k / p for p, k in values),
+                    "goal": goal,
+                    "rounds": len(values),
+                    "identical_rounds": same,
+                }
+            )
+        for counter in COUNTERS:
+            rows.append(
+                {
+                    "workload": name,
+                    "measure": counter,
+                    "figure": counter,
+                    "plain": statistics.median(p.get(counter, 0) for p, _ in pairs),
+                    "kvtier": statistics.median(k.get(counter, 0) for _, k in pairs),
+                }
+            )
+    return rows
+
+
+def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
+    print(
+        f"vllm serve, kvtier vs no connector: {len(rounds)} rounds, fresh servers, "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved} on both"
+    )
+    for r, entry in enumerate(rounds):
+        p, k = entry["plain"], entry["kvtier"]
+        print(
+            f"  round {r}: no connector {p['binding']}; kvtier {k['binding']}; "
+            f"load average {k.get('load_average_end', 0):.1f}; stop {p['stop_s']:.1f} s / "
+            f"{k['stop_s']:.1f} s, left: {len(p['left']) + len(k['left'])}"
+        )
+    header = f"{'workload':18} {'measure':30} {'no connector':>13} {'kvtier':>10} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if "ratio" in row:
+            print(
+                f"{row['workload']:18} {row['measure']:30} {row['plain']:13.3f} "
+                f"{row['kvtier']:10.3f} {row['ratio']:7.3f}"
+            )
+        else:
+            print(
+                f"{row['workload']:18} {row['measure']:30} {row['plain']:13.0f} "
+                f"{row['kvtier']:10.0f}"
+            )
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        same = next(r["identical_rounds"] for r in rows if r["workload"] == name and "ratio" in r)
+        print(f"{name}: completions identical at temperature 0 in {same} of {len(rounds)} rounds")
+
+
+def report(args: argparse.Namespace) -> int:
+    from kvtier_bench.vllm_engine import make_model
+
+    plan = workloads(args)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
+        root = Path(tmp)
+        model = args.model or str(root / "model")
+        if not args.model:
+            progress("building a random Llama (hidden 512, 4 layers)")
+            make_model(model)
+        rounds = []
+        for run in range(args.rounds):
+            entry = {}
+            order = [False, True] if run % 2 == 0 else [True, False]
+            for kvtier in order:
+                label = "kvtier" if kvtier else "plain"
+                progress(f"round {run + 1}/{args.rounds}: {label}")
+                entry[label] = one_server(args, model, root, kvtier, run, plan)
+                entry[label]["load_average_end"] = os.getloadavg()[0]
+            rounds.append(entry)
+    rows = rows_of(rounds, plan)
+    if args.json:
+        print_json_rows(rows)
+    else:
+        print_report(rows, rounds, reserved_cpus(args))
+    if args.plot:
+        save_plot(args.plot, lambda plt: _draw(plt, rows), "kvtier / no connector, vllm serve")
+    return 0
+
+
+def _draw(plt, rows: list[dict]) -> None:
+    shown = [r for r in rows if "ratio" in r]
+    labels = [f"{r['workload']}\n{r['measure']}" for r in shown]
+    plt.barh(range(len(shown)), [r["ratio"] for r in shown])
+    plt.yticks(range(len(shown)), labels, fontsize=6)
+    plt.axvline(1.0, color="k", lw=0.8)
+    plt.xlabel("kvtier / no connector (median over rounds)")
+
+
+def main() -> int:
+    from kvtier_bench.common import standalone
+    from kvtier_bench.options import serve_arguments
+
+    return standalone("serve", __doc__, serve_arguments, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
