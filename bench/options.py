@@ -135,6 +135,11 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers (default: 2 above 4 cores, else 1)",
     )
+    p.add_argument(
+        "--kvtier-settings",
+        default="{}",
+        help='more kv_connector_extra_config as JSON, e.g. \'{"worker_cores": "inherit"}\'',
+    )
     p.add_argument("--model", help="a model directory (default: build a random Llama)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")

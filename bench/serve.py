@@ -12,6 +12,7 @@ Ratios are kvtier / no connector within a round, then the median over rounds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -89,7 +90,10 @@ def binding(server: Server) -> str:
 def one_server(args, model: str, root: Path, kvtier: bool, run: int, plan) -> dict[str, Any]:
     extra = None
     if kvtier:
-        extra = {"storage": {"backend": "file", "root": str(root / f"store{run}")}}
+        extra = {
+            **json.loads(args.kvtier_settings),
+            "storage": {"backend": "file", "root": str(root / f"store{run}")},
+        }
     server = Server(
         model,
         root / f"{'kvtier' if kvtier else 'plain'}{run}",

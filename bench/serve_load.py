@@ -109,7 +109,7 @@ def stream(server: Any, prompt: list[int], output: int, group: str, seen: bool) 
         "stream": True,
         "return_token_ids": True,
     }
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_TIMEOUT_S)
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=REQUEST_TIMEOUT_S)
     tokens: list[int] = []
     first = None
     start = time.perf_counter()

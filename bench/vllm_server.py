@@ -36,12 +36,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def connector_config(instance: str, storage: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def connector_config(
+    instance: str, storage: dict[str, Any], role: str = "kv_both", **extra: Any
+) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a server with kvtier."""
     return {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.vllm",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_connector_extra_config": {"instance_id": instance, "storage": storage, **extra},
     }
 
@@ -57,16 +59,19 @@ class Server:
     max_model_len: int = 4096
     max_num_seqs: int = 8
     reserved_cpus: int | None = None  # VLLM_CPU_NUM_OF_RESERVED_CPU: the same for a fair pair
-    tokenizer: bool = False  # the model directory has one (``make_tokenizer``); else token ids
+    tokenizer: bool = False  # the model directory has one; else prompts are token ids
+    kv_role: str = "kv_both"  # kv_producer / kv_consumer: a prefill / decode instance
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
+    host: str = "127.0.0.1"  # where it listens (an address of ``netns``, if given)
+    netns: str | None = None  # run inside this network namespace (``ip netns exec``; root)
     instance: str = field(default_factory=lambda: "srv" + uuid.uuid4().hex[:10])
     process: subprocess.Popen | None = None
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def tmpdir(self) -> Path:
@@ -77,8 +82,9 @@ class Server:
         return self.workdir / "server.log"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "kvtier.vllm", "serve", self.model]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+        cmd = ["ip", "netns", "exec", self.netns] if self.netns else []
+        cmd += [sys.executable, "-m", "kvtier.vllm", "serve", self.model]
+        cmd += ["--host", self.host, "--port", str(self.port), "--dtype", "float32"]
         cmd += ["--enforce-eager", "--enable-prefix-caching", "--seed", "0"]
         cmd += ["--kv-cache-memory-bytes", str(self.kv_bytes)]
         cmd += ["--max-model-len", str(self.max_model_len)]
@@ -86,7 +92,7 @@ class Server:
         if not self.tokenizer:
             cmd.append("--skip-tokenizer-init")
         if self.kvtier is not None:
-            config = connector_config(self.instance, **self.kvtier)
+            config = connector_config(self.instance, role=self.kv_role, **self.kvtier)
             cmd += ["--kv-transfer-config", json.dumps(config)]
         return cmd
 
@@ -240,7 +246,7 @@ class Server:
         found = [str(p) for p in SHM_DIR.glob(f"*{self.instance}*")]
         if self.tmpdir.exists():
             for path in self.tmpdir.rglob("*"):  # files; a directory only if a launch dir
-                if "kvtier" in str(path) and (
+                if "kvtier" in str(path.relative_to(self.tmpdir)) and (
                     not path.is_dir() or path.name.startswith("kvtier-launch-")
                 ):
                     found.append(str(path))

@@ -70,11 +70,15 @@ def namespaces_unavailable() -> str | None:
 class Namespaces:
     """Network namespaces named ``<prefix>-<role>``, each with one address on 10.77.<n>.0/24."""
 
-    def __init__(self, roles: list[str], subnet: int = 77) -> None:
+    def __init__(self, roles: list[str], subnet: int = 77, reach_from_root: bool = False) -> None:
+        """``reach_from_root``: also join this (the root) namespace to the bridge, as
+        10.<subnet>.0.254, so the test itself can reach the namespaces' addresses (the pair
+        goes when the hub is deleted)."""
         tag = uuid.uuid4().hex[:5]
         self.hub = f"kvt{tag}-hub"
         self.names = {role: f"kvt{tag}-{role}" for role in roles}
         self.addresses = {role: f"10.{subnet}.0.{i + 1}" for i, role in enumerate(roles)}
+        self.root_address = f"10.{subnet}.0.254" if reach_from_root else None
         self._made: list[str] = []
 
     def _ip(self, *args: str) -> None:
@@ -98,6 +102,14 @@ class Namespaces:
                 self._ip("-n", ns, "addr", "add", f"{self.addresses[role]}/24", "dev", inner)
                 self._ip("-n", ns, "link", "set", inner, "up")
                 self._ip("-n", ns, "link", "set", "lo", "up")
+            if self.root_address:
+                inner, outer = f"kvr{self.hub[3:8]}", f"kvh{self.hub[3:8]}"
+                self._ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+                self._ip("link", "set", outer, "netns", self.hub)
+                self._ip("-n", self.hub, "link", "set", outer, "master", "br0")
+                self._ip("-n", self.hub, "link", "set", outer, "up")
+                self._ip("addr", "add", f"{self.root_address}/24", "dev", inner)
+                self._ip("link", "set", inner, "up")
         except BaseException:
             self.__exit__()
             raise
@@ -111,3 +123,30 @@ class Namespaces:
         for ns in reversed(self._made):  # deleting a namespace deletes its veth ends
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
+
+
+def start_role(net: Namespaces, role: str, *args: str) -> tuple[subprocess.Popen, dict]:
+    """``cluster_node.py ROLE ADDRESS ARGS`` inside ``role``'s namespace; its JSON line."""
+    import json
+    import sys
+    from pathlib import Path
+
+    process = net.run(
+        role,
+        [
+            sys.executable,
+            str(Path(__file__).parent / "cluster_node.py"),
+            role,
+            net.addresses[role],
+            *args,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        process.wait(10)
+        raise RuntimeError(f"the {role} did not start in its namespace (exit {process.returncode})")
+    return process, json.loads(line)

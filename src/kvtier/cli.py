@@ -312,10 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from kvtier.pd_proxy import add_pd_proxy
     from kvtier.status import add_status
     from kvtier.store_cli import add_store
 
-    for add in (_add_demo, _add_serve, _add_bench, add_store, add_status):
+    for add in (_add_demo, _add_serve, _add_bench, add_store, add_status, add_pd_proxy):
         add(sub, common)
     return p
 

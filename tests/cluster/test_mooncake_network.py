@@ -10,7 +10,6 @@ network namespace with an address that exists only there.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from kvtier import bindguard
 from kvtier.client import Client
 from kvtier.config import WorkerConfig
 from kvtier.device import DeviceCache, cache_name
-from netcheck import Namespaces, listeners, namespaces_unavailable
+from netcheck import Namespaces, listeners, namespaces_unavailable, start_role
 from worker_helpers import FAST, WSPEC, block, engine, fill, hashes, same
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
@@ -73,22 +72,6 @@ def test_on_one_machine_everything_listens_on_loopback_only(tmp_path) -> None:
                 assert _only_on("127.0.0.1", found), f"{who} listens beyond loopback: {found}"
 
 
-def _start_role(net: Namespaces, role: str, *args: str) -> tuple[subprocess.Popen, dict]:
-    process = net.run(
-        role,
-        [sys.executable, str(TESTS / "cluster_node.py"), role, net.addresses[role], *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        process.wait(10)
-        pytest.fail(f"the {role} did not start in its namespace (exit {process.returncode})")
-    return process, json.loads(line)
-
-
 def test_a_cluster_in_private_networks_moves_bytes_and_listens_only_where_configured(
     tmp_path,
 ) -> None:
@@ -101,9 +84,9 @@ def test_a_cluster_in_private_networks_moves_bytes_and_listens_only_where_config
     clients: list[Client] = []
     with Namespaces(roles) as net:
         try:
-            master, info = _start_role(net, "master")
+            master, info = start_role(net, "master")
             started.append(master)
-            node, node_info = _start_role(
+            node, node_info = start_role(
                 net, "node", info["master_address"], info["metadata"], str(64 << 20)
             )
             started.append(node)

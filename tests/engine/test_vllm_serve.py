@@ -1,6 +1,9 @@
 """``vllm serve`` with kvtier as operators run it: OpenAI completions identical to a server
 without kvtier, hits from kvtier's store, and stops — Ctrl-C of the whole group, SIGTERM of the
 API server alone — that leave nothing: no process, segment, socket, lock or launch directory.
+Prefill/decode disaggregation: a producer (``kv_producer``) and a consumer (``kv_consumer``)
+sharing a store behind ``kvtier pd-proxy`` answer as one server would, the consumer loading
+what the producer computed; with the producer gone, the consumer recomputes.
 
 The servers are started once for the module, side by side (each start costs 20-60 s here), by
 the driver ``kvtier bench serve`` uses (``kvtier_bench.vllm_server``).
@@ -10,9 +13,11 @@ from __future__ import annotations
 
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from kvtier import pd_proxy
 from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Server
 
 PREFIX = list(range(3, 515))  # 512 shared tokens: 4 full blocks of 128
@@ -27,11 +32,16 @@ def servers(model, tmp_path_factory):
         store = {"backend": "file", "root": str(root / f"store-{name}")}
         return Server(model, root / name, kvtier={"storage": store})
 
+    shared = {"backend": "file", "root": str(root / "store-pd")}
     started = {
         "plain": Server(model, root / "plain"),
         "ctrl_c": kvtier("ctrl_c"),
         "sigterm": kvtier("sigterm"),
+        "producer": Server(model, root / "producer", kvtier={"storage": shared}),
+        "consumer": Server(model, root / "consumer", kvtier={"storage": shared}),
     }
+    started["producer"].kv_role = "kv_producer"
+    started["consumer"].kv_role = "kv_consumer"
     try:
         for server in started.values():
             server.start()
@@ -75,3 +85,39 @@ def test_sigterm_of_the_api_server_leaves_nothing(servers) -> None:
     seconds = server.stop("main", signal.SIGTERM)
     assert seconds < STOP_TIMEOUT_S
     assert server.leftovers() == []
+
+
+LONG = [list(range(20 + i, 20 + i + 1000)) for i in range(2)]  # 7 full blocks each
+
+
+def test_prefill_decode_through_the_proxy_answers_as_one_server(servers) -> None:
+    producer, consumer = servers["producer"], servers["consumer"]
+    proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 300.0)
+    try:
+        through = Server(producer.model, producer.workdir, port=proxy.server_address[1])
+        before_p, before_c = producer.metrics(), consumer.metrics()
+        answers = [through.complete(p) for p in LONG]
+        assert answers == [servers["plain"].complete(p) for p in LONG]
+        # The producer answered once every full block was stored (its counters reach /metrics a
+        # step later, and an idle producer takes no step: the store itself is read).
+        objects = Path(producer.kvtier["storage"]["root"], "objects")
+        assert len(list(objects.rglob("*.kvb"))) == 2 * 7
+        assert _moved(before_p, producer.metrics()).get("vllm:kvtier_lookups_total", 0) == 0
+        # The consumer loaded them (its prefill was a load) and saved nothing.
+        moved_c = _moved(before_c, consumer.metrics())
+        assert moved_c["vllm:kvtier_loaded_tokens_total"] == 2 * 7 * 128
+        assert moved_c.get("vllm:kvtier_save_tasks_total", 0) == 0
+        assert proxy.counts == {"requests": 2, "prefill_failures": 0}
+        # The producer gone: the consumer recomputes, and the answer is the same.
+        producer.stop("main", signal.SIGTERM)
+        assert producer.leftovers() == []
+        other = list(range(40, 1040))
+        assert through.complete(other) == servers["plain"].complete(other)
+        assert proxy.counts["prefill_failures"] == 1
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def _moved(before: dict, after: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}

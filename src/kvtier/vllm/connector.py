@@ -4,6 +4,11 @@ vLLM builds one instance per role: the scheduler side (``SchedulerSide``: lookup
 plans, fences) in the engine core, and one worker side per TP rank (``WorkerSide``: the shared
 KV cache and this rank's kvtier worker). Methods of the other role are not called.
 
+Roles (``kv_role``): ``kv_both`` looks up, loads and saves; ``kv_producer`` (a prefill instance
+of a prefill/decode pair) saves every full prompt block and answers a request only once its
+blocks are stored — no lookup, no load; ``kv_consumer`` (a decode instance) looks up and loads,
+never saves. ``kvtier pd-proxy`` sends each request to a producer, then to a consumer.
+
 Failure policy: a failed or short load is reported block by block for recompute. vLLM's default
 ``kv_load_failure_policy="fail"`` would abort such requests instead; the connector switches it
 to ``"recompute"`` with one warning (a KV cache miss must cost time, never a request).
@@ -27,6 +32,8 @@ from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
 
 log = logging.getLogger(__name__)
 
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
 
 class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
@@ -40,6 +47,10 @@ class KvtierConnector(KVConnectorBase_V1):
     def _set_up(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        role_name = str(transfer.kv_role or "kv_both")
+        if role_name not in ROLES:
+            raise ConfigError("kv_role", f"got {role_name!r}; allowed: {', '.join(ROLES)}")
+        self.kv_role = role_name
         instance = self.settings.instance_id or instance_name(vllm_config.instance_id)
         world_size = vllm_config.parallel_config.tensor_parallel_size
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -62,7 +73,9 @@ class KvtierConnector(KVConnectorBase_V1):
             from kvtier.vllm.scheduler import SchedulerSide
 
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-            self._scheduler = SchedulerSide(instance, world_size, block_size, self.settings)
+            self._scheduler = SchedulerSide(
+                instance, world_size, block_size, self.settings, role=self.kv_role
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -76,6 +89,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 world_size,
                 self.settings,
                 namespace,
+                role=self.kv_role,
             )
 
     @property

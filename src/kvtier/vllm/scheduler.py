@@ -75,9 +75,13 @@ class SchedulerSide:
         block_size: int,
         settings: Any,
         endpoints: Sequence[str] | None = None,
+        role: str = "kv_both",
     ) -> None:
-        """``endpoints``: the ranks' workers (default: the launched workers' ipc:// sockets)."""
+        """``endpoints``: the ranks' workers (default: the launched workers' ipc:// sockets);
+        ``role``: vLLM's ``kv_role`` (a producer never looks up, a consumer never saves)."""
         self.block_size = block_size
+        self.looks_up = role != "kv_producer"
+        self.saves = role != "kv_consumer"
         self.settings = settings
         self.sync_loads = settings.load_mode == "sync"
         if endpoints is None:
@@ -107,7 +111,7 @@ class SchedulerSide:
         first = num_computed // bs
         last = (request.num_tokens - 1) // bs  # the last prompt token is always computed
         wanted = list(request.block_hashes[first:last])
-        if not wanted or self.client is None:
+        if not wanted or self.client is None or not self.looks_up:
             return 0, False
         if any(h in self._loading_hashes for h in wanted):
             return None, False  # being loaded for another request: wait, then hit it locally
@@ -202,6 +206,8 @@ class SchedulerSide:
         ``save_generated`` the generated tokens' too."""
         tracked = self._tracked[req_id]
         request = tracked.request
+        if not self.saves:
+            return None
         if not self.settings.save_generated:
             tokens_done = min(tokens_done, request.num_prompt_tokens)
         full = tokens_done // self.block_size

@@ -27,6 +27,9 @@ class ConnectorSettings:
       requests run) or ``sync`` (loads run before the step's forward, which waits for them).
     - ``save_generated``: save full blocks of generated tokens too (default True: a chat's
       next turn, its prompt = the earlier turns + the answer + a new message, hits the answer).
+    - ``worker_cores``: where each rank's kvtier worker runs: ``reserved`` (default: the cores
+      vLLM keeps free of compute, see ``kvtier.vllm.placement``), ``inherit`` (the vLLM
+      worker's own affinity, its first compute core) or a CPU list (``"3"``, ``"2-3"``).
     - ``staging_blocks``: blocks per storage step in each worker (default 16).
     - ``start_timeout_s``, ``task_timeout_s``: worker start and per-task bounds.
     - ``metrics_port``: kvtier's own Prometheus exporter per worker (port + rank; 0: any).
@@ -40,6 +43,7 @@ class ConnectorSettings:
     instance_id: str | None = None
     load_mode: str = "async"
     save_generated: bool = True
+    worker_cores: str = "reserved"
     staging_blocks: int = 16
     start_timeout_s: float = 120.0
     task_timeout_s: float = 120.0
@@ -69,6 +73,10 @@ class ConnectorSettings:
             raise ConfigError(
                 f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"
             )
+        if self.worker_cores not in ("reserved", "inherit"):
+            from kvtier.cpus import parse_cpu_list
+
+            parse_cpu_list(str(self.worker_cores), f"{PREFIX}.worker_cores")
         if not isinstance(self.save_generated, bool):
             raise ConfigError(f"{PREFIX}.save_generated", "must be true or false")
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int):

@@ -33,8 +33,10 @@ FENCE_TIMEOUT_S = 120.0  # a preemption or shutdown waits this long for a task's
 
 
 class StepTransfers:
-    def __init__(self, block_size: int, rank: int = 0) -> None:
-        self.block_size, self.rank = block_size, rank
+    def __init__(self, block_size: int, rank: int = 0, wait_for_saves: bool = False) -> None:
+        """``wait_for_saves``: a producer's step ends once its saves are stored (its requests
+        are answered only then: the consumer's lookup that follows finds every block)."""
+        self.block_size, self.rank, self.wait_for_saves = block_size, rank, wait_for_saves
         self.client: Any = None  # set once the kvtier worker answered its hello
         self.stats = KvtierConnectorStats()
         self._stats_lock = threading.Lock()
@@ -75,6 +77,8 @@ class StepTransfers:
         future.add_done_callback(self._account_save)  # counted when answered
         for spec in meta.saves:
             self._saves[spec.req_id].append(future)
+        if self.wait_for_saves:
+            _wait(future)
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused this step: its saves must have read them."""

@@ -71,6 +71,7 @@ class WorkerSide:
         world_size: int,
         settings: Any,
         namespace: str,
+        role: str = "kv_both",
     ) -> None:
         self.rank, self.world_size, self.instance = rank, world_size, instance
         self.settings, self.namespace = settings, namespace
@@ -82,7 +83,7 @@ class WorkerSide:
         self.launch: Launch | None = None
         self.client: Client | None = None
         self._allocation: _AllocateInto | None = None
-        self.transfers = StepTransfers(self.spec.block_size, rank)
+        self.transfers = StepTransfers(self.spec.block_size, rank, role == "kv_producer")
         if self.device_type == "cpu":
             # The segment exists before vLLM allocates, so the worker can start now, in
             # parallel with the rest of vLLM's start-up.
@@ -103,10 +104,13 @@ class WorkerSide:
         }
         if s.metrics_port is not None:
             settings["metrics_port"] = s.metrics_port
-        where = for_this_rank()
-        if where.cores:
-            settings["cpu_cores"] = format_cpu_list(where.cores)
-        log.info("kvtier: rank %d's worker runs %s", self.rank, where.note)
+        if s.worker_cores == "reserved":
+            where = for_this_rank()
+            if where.cores:
+                settings["cpu_cores"] = format_cpu_list(where.cores)
+            log.info("kvtier: rank %d's worker runs %s", self.rank, where.note)
+        elif s.worker_cores != "inherit":
+            settings["cpu_cores"] = s.worker_cores
         configs = worker_configs(
             self.spec, self.world_size, s.storage, self.instance, [self.rank], settings, PREFIX
         )
