@@ -15,6 +15,7 @@ import random
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -116,7 +117,7 @@ def main() -> int:
                 )  # raises ObjectCorrupt on a torn object
                 if np.array_equal(np.frombuffer(payload, np.uint8), content(slot)):
                     whole += 1
-        tmp_left = len(os.listdir(os.path.join(root, "tmp")))
+        tmp_left = sum(1 for _ in Path(root).rglob("*.tmp"))  # beside the objects, or in tmp/
         partial_batch = visible % BLOCKS_PER_SAVE != 0
         print(
             json.dumps(

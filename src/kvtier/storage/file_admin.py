@@ -29,6 +29,7 @@ import xxhash
 
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.keys import KeyParts, KeyScheme
+from kvtier.storage.file_dirs import TMP_NAME
 from kvtier.storage.format import (
     HEADER_BYTES,
     MAC_BYTES,
@@ -89,6 +90,8 @@ def scan(root: str | Path) -> Iterator[StoredObject]:
             continue
         for entry in sorted(os.scandir(fanout.path), key=lambda e: e.name):
             path = Path(entry.path)
+            if TMP_NAME.fullmatch(entry.name):
+                continue  # a write in progress (or a dead writer's, removed at the next start)
             if not OBJECT_NAME.fullmatch(entry.name):
                 yield _foreign(path, "not an object name")
             else:

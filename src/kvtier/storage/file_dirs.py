@@ -198,19 +198,28 @@ class StoreDirs:
         return found
 
     def remove_dead_tmp_files(self) -> list[str]:
-        """Remove temporary files of writers that died; any other name in ``tmp/`` (another
-        user's, a link, a live writer's) is left alone. Returns the names removed."""
+        """Remove temporary files of writers that died, beside the objects and in the former
+        ``tmp/``; any other name (another user's, a link, a live writer's) is left alone.
+        Returns the names removed."""
         removed = []
         with self.tmp() as tmp_fd:
-            for entry in list(os.scandir(tmp_fd)):
-                match = TMP_NAME.fullmatch(entry.name)
-                if match is None:
-                    continue
-                pid = int(match.group(1))
-                if 0 < pid < MAX_PID and alive(pid):
-                    continue
-                if not entry.is_file(follow_symlinks=False):
-                    continue  # not ours to delete: tolerated, never followed
-                if self.unlink(entry.name, tmp_fd):
-                    removed.append(entry.name)
+            removed += self._remove_dead_tmp_in(tmp_fd)
+        for i in range(FANOUT_DIRS):
+            with self.fanout(fanout_name(i)) as fd:
+                removed += self._remove_dead_tmp_in(fd)
+        return removed
+
+    def _remove_dead_tmp_in(self, dir_fd: int) -> list[str]:
+        removed = []
+        for entry in list(os.scandir(dir_fd)):
+            match = TMP_NAME.fullmatch(entry.name)
+            if match is None:
+                continue
+            pid = int(match.group(1))
+            if 0 < pid < MAX_PID and alive(pid):
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                continue  # not ours to delete: tolerated, never followed
+            if self.unlink(entry.name, dir_fd):
+                removed.append(entry.name)
         return removed

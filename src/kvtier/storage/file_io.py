@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -111,3 +112,36 @@ def warn_if_open(root: Path, permissions: Any) -> None:
             root,
             stat.S_IMODE(st.st_mode),
         )
+
+
+class CallersPriorityPool:
+    """A thread pool made on first use, its threads at the priority of the thread that first
+    used it (a worker's background save thread: the store's writes stay background work)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads, self.name = threads, name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                self._pool = ThreadPoolExecutor(
+                    self.threads, self.name, initializer=_at_priority, initargs=(nice,)
+                )
+            return self._pool
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _at_priority(nice: int) -> None:
+    """Thread initializer: run at ``nice`` (a thread may always lower its own priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        pass
