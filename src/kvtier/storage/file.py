@@ -227,7 +227,7 @@ class FileStore(StorageBackend):
             return False
         try:
             header = self.format.parse(os.pread(fd, HEADER_BYTES, 0), key, self.payload_bytes)
-            self._check_size(os.fstat(fd).st_size, header.key_bytes)
+            _check_size(os.fstat(fd).st_size, self.object_bytes + header.key_bytes)
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(fan, name)
@@ -254,9 +254,8 @@ class FileStore(StorageBackend):
             st = os.fstat(fd)
             key_bytes = st.st_size - self.object_bytes  # the trailer, if the size is right
             n = os.preadv(fd, [header, *views, memoryview(trailer)[: max(0, key_bytes)]], 0)
-            self._check_size(
-                st.st_size, self.format.parse(header, key, self.payload_bytes).key_bytes
-            )
+            parsed = self.format.parse(header, key, self.payload_bytes)
+            _check_size(st.st_size, self.object_bytes + parsed.key_bytes)
             if n != st.st_size:
                 raise ObjectCorrupt(f"short read: {n} of {st.st_size} bytes")
             if key_bytes and trailer != encoded:
@@ -315,10 +314,6 @@ class FileStore(StorageBackend):
         self._index.add(name, self.object_bytes + len(key.encode()))
         return True
 
-    def _check_size(self, size: int, key_bytes: int) -> None:
-        if size != self.object_bytes + key_bytes:
-            raise ObjectCorrupt(f"object is {size} bytes, not {self.object_bytes + key_bytes}")
-
     def _write_tmp(self, tmp: str, tmp_fd: int, buffers: list) -> None:
         mode = self.config.permissions.file_mode
         fd = os.open(tmp, _CREATE_FLAGS, mode, dir_fd=tmp_fd)
@@ -365,10 +360,8 @@ class FileStore(StorageBackend):
     # ---- paths and housekeeping -------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
-        """Where ``key``'s object is (for tools and tests: the store itself never opens it by
-        this path)."""
-        fan, name = object_name(key)
-        return self.root / "objects" / fan / name
+        """Where ``key``'s object is (for tools and tests: the store never opens it so)."""
+        return self.root / "objects" / "/".join(object_name(key))
 
     def _remove(self, fan: str, name: str) -> bool:
         try:
@@ -386,6 +379,11 @@ class FileStore(StorageBackend):
         ``prefix``: stop at the first False (see ``striped``)."""
         pool = self._pool if len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES else None
         return striped(pool, self.config.io_threads, fn, keys, blocks, prefix)
+
+
+def _check_size(size: int, expected: int) -> None:
+    if size != expected:
+        raise ObjectCorrupt(f"object is {size} bytes, not {expected}")
 
 
 def object_name(key: str) -> tuple[str, str]:
