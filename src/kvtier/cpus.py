@@ -35,15 +35,13 @@ def parse_cpu_list(text: str, field: str = "cpu_cores") -> frozenset[int]:
 
 def format_cpu_list(cores: set[int] | frozenset[int]) -> str:
     """{0, 2, 3} -> ``"0,2-3"``."""
-    out: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive cores
     for core in sorted(cores):
-        if out and "-" in out[-1] and int(out[-1].rsplit("-", 1)[1]) == core - 1:
-            out[-1] = f"{out[-1].rsplit('-', 1)[0]}-{core}"
-        elif out and out[-1].isdigit() and int(out[-1]) == core - 1:
-            out[-1] = f"{out[-1]}-{core}"
+        if runs and runs[-1][1] == core - 1:
+            runs[-1][1] = core
         else:
-            out.append(str(core))
-    return ",".join(out)
+            runs.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def run_on(cpu_cores: str | None) -> None:
@@ -54,7 +52,6 @@ def run_on(cpu_cores: str | None) -> None:
         return
     cores = parse_cpu_list(cpu_cores)
     try:
-        os.sched_setaffinity(0, cores)
         for task in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(task), cores)

@@ -76,9 +76,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._relay(self.server.consumer, "GET", None)
 
     def do_POST(self) -> None:  # noqa: N802
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
         if length <= 0 or length > MAX_BODY_BYTES:
-            self._reply(413 if length else 411, {"error": f"a body of 1..{MAX_BODY_BYTES} bytes"})
+            status = 413 if length > 0 else 411 if length == 0 else 400
+            self._reply(status, {"error": f"a body of 1..{MAX_BODY_BYTES} bytes"})
             return
         body = self.rfile.read(length)
         if self.path in ROUTES:

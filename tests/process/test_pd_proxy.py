@@ -96,6 +96,12 @@ def test_bad_input_is_answered_and_nothing_is_sent_on(pair) -> None:
     conn.endheaders()
     assert conn.getresponse().status == 413
     conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=10)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Length", "many")
+    conn.endheaders()
+    assert conn.getresponse().status == 400
+    conn.close()
     assert producer.bodies == [] and consumer.bodies == []
 
 
