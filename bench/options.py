@@ -145,7 +145,33 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")
 
 
+def cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=COUNT, default=3, help="rounds, new prompts each")
+    p.add_argument("--prompts", type=COUNT, default=6, help="prompts per set")
+    p.add_argument("--prompt-tokens", type=COUNT, default=1800, help="tokens per prompt")
+    p.add_argument("--output-tokens", type=COUNT, default=16, help="tokens generated")
+    p.add_argument("--concurrency", type=COUNT, default=2, help="requests in flight")
+    p.add_argument(
+        "--kv-bytes", type=SIZE, default=128 << 20, help="each server's KV cache (vLLM's own)"
+    )
+    p.add_argument(
+        "--segment-bytes", type=SIZE, default=2 << 30, help="the storage node's Mooncake segment"
+    )
+    p.add_argument("--raw-runs", type=COUNT, default=5, help="timed raw Mooncake gets (median)")
+    p.add_argument(
+        "--pd-storage",
+        default="mooncake",
+        choices=["mooncake", "file"],
+        help="what the producer and consumer share: the cluster, or a file store (one machine)",
+    )
+    p.add_argument("--skip-shared", action="store_true", help="measure only P/D (part b)")
+    p.add_argument("--kvtier-settings", default="{}", help="more kv_connector_extra_config as JSON")
+    p.add_argument("--model", help="a model directory (default: build a random Llama)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+
+
 ARGUMENTS = {
+    "cluster": cluster_arguments,
     "copy": copy_arguments,
     "storage": storage_arguments,
     "e2e": e2e_arguments,

@@ -3,12 +3,16 @@ Mooncake's own batch API; and the Mooncake store a run uses (with what it starte
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.storage import make_backend
+from kvtier_bench.common import gbps, median_seconds
 
 
 class RawFiles:
@@ -98,3 +102,49 @@ def mooncake_store(args, spec, n: int, remote: bool):
         for process in started:
             process.stop()
         raise
+
+
+def raw_mooncake_gbps(storage: dict, objects: int, runs: int) -> float:
+    """Mooncake's own batch get of ``objects`` objects of one block of ``kvtier bench
+    cluster``'s model from the node of ``storage``, through one client, in a child process
+    started with kvtier's bind guard (its transfer engine listens on loopback only, as the
+    engines' do)."""
+    from kvtier.storage.mooncake_setup import process_environment
+
+    storage = {k: v for k, v in storage.items() if k != "mac_key_file"}
+    env = {**os.environ, **process_environment(storage), "GLOG_minloglevel": "2"}
+    code = "import sys; from kvtier_bench.storage_raw import raw_get; raw_get(sys.argv[1])"
+    params = json.dumps({"storage": storage, "objects": objects, "runs": runs})
+    out = subprocess.run(
+        [sys.executable, "-c", code, params], env=env, capture_output=True, text=True, timeout=600
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the raw Mooncake get failed:\n{out.stderr[-3000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def raw_get(params_json: str) -> None:
+    """(In the child.) Prints the GB/s of ``batch_get_into``: fp32, 4 layers x K|V x 4 heads
+    x 128 tokens x 64 — one block of the bench's model, the size of each kvtier object."""
+    import torch
+
+    from kvtier import HostPool, KVCacheSpec
+
+    params = json.loads(params_json)
+    objects = params["objects"]
+    spec = KVCacheSpec(
+        num_layers=4, num_blocks=1, num_kv_heads=4, block_size=128, head_dim=64, dtype="float32"
+    )
+    with HostPool(spec, 2 * objects, pin=False) as pool:
+        pool.slab.copy_(torch.randint(0, 256, pool.slab.shape, dtype=torch.uint8))
+        store = make_backend(spec, params["storage"])
+        try:
+            store.register_host_pool(pool)
+            raw = RawMooncake(store._store, spec, pool, objects)
+            keys = [f"bench-cluster-raw-{i}" for i in range(objects)]
+            raw.put(keys)
+            seconds = median_seconds(lambda: raw.get(keys), params["runs"])
+            raw.remove(keys)
+        finally:
+            store.close()
+    print(gbps(objects * spec.block_bytes, seconds))

@@ -61,6 +61,7 @@ class Server:
     reserved_cpus: int | None = None  # VLLM_CPU_NUM_OF_RESERVED_CPU: the same for a fair pair
     tokenizer: bool = False  # the model directory has one; else prompts are token ids
     kv_role: str = "kv_both"  # kv_producer / kv_consumer: a prefill / decode instance
+    tensor_parallel: int = 1  # ranks; on a 2-core machine TP=2 needs its own binding (env)
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     host: str = "127.0.0.1"  # where it listens (an address of ``netns``, if given)
@@ -89,6 +90,8 @@ class Server:
         cmd += ["--kv-cache-memory-bytes", str(self.kv_bytes)]
         cmd += ["--max-model-len", str(self.max_model_len)]
         cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.tensor_parallel > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel)]
         if not self.tokenizer:
             cmd.append("--skip-tokenizer-init")
         if self.kvtier is not None:

@@ -4,7 +4,9 @@
     python cluster_node.py node HOST MASTER METADATA SIZE -> a LocalStoreNode on HOST
 
 Prints one JSON line (addresses and the pid of the Mooncake process) once ready, then runs
-until its stdin closes.
+until its stdin closes. A line ``restart`` on stdin stops the Mooncake process and starts it
+again on the same ports (a master restarted by its operator: its objects' metadata is gone),
+then prints the JSON line again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def main(argv: list[str]) -> int:
         info = {}
     assert started.process is not None
     print(json.dumps({**info, "pid": started.process.pid}), flush=True)
-    sys.stdin.read()  # until the test closes our stdin (or dies)
+    for line in sys.stdin:  # until the test closes our stdin (or dies)
+        if line.strip() == "restart":
+            started.stop()
+            started.start()
+            print(json.dumps({**info, "pid": started.process.pid}), flush=True)
     started.stop()
     return 0
 

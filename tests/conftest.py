@@ -82,9 +82,31 @@ _FIGURES: dict[str, dict] = {}
 
 @pytest.fixture
 def figures(request):
-    """Record figures for this test: ``figures["name"] = value``; printed in the summary."""
-    mine = _FIGURES.setdefault(request.node.name, {})
-    return mine
+    """Record figures for this test: ``figures["name"] = value``; printed in the summary (they
+    travel in the test's report: with ``-n`` the summary is the controller's, not a worker's)."""
+    mine: dict = {}
+    yield mine
+    if mine:
+        request.node.user_properties.append(("kvtier_figures", dict(mine)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "kvtier_figures":
+                _FIGURES[report.nodeid.rpartition("::")[2]] = value
+
+
+@pytest.fixture
+def short_tmp_path():
+    """A private directory with a short path, for tests whose Unix sockets live below it
+    (tmp_path under pytest-xdist is too long for a socket's 107 bytes)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="kvt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -115,6 +115,12 @@ class Namespaces:
             raise
         return self
 
+    def link(self, role: str, up: bool) -> None:
+        """Take ``role``'s link to the bridge down (a cable pulled) or bring it up again."""
+        i = list(self.names).index(role)
+        inner = f"kvi{i}{self.hub[3:8]}"
+        self._ip("-n", self.names[role], "link", "set", inner, "up" if up else "down")
+
     def run(self, role: str, args: list[str], **popen) -> subprocess.Popen:
         """Start ``args`` inside ``role``'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.names[role], *args], **popen)

@@ -24,19 +24,14 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import printable
 
 WRITE_POLICIES = ("write_through", "write_back")
-BENCHES = {
-    "copy": ("device<->host swap GB/s vs contiguous copy and loop", "kvtier_bench.copy"),
-    "storage": ("storage save/load GB/s vs raw disk / raw Mooncake", "kvtier_bench.storage"),
-    "e2e": ("the chat workload: device-only vs +host vs kvtier", "kvtier_bench.e2e"),
-    "latency": ("1-block swap round trip vs raw ZeroMQ round trip", "kvtier_bench.latency"),
-    "vllm": (
-        "a real vLLM engine: recompute vs kvtier miss+save vs kvtier hits",
-        "kvtier_bench.vllm",
-    ),
-    "serve": (
-        "vllm serve with kvtier vs without: fair binding, 4 workloads, interleaved rounds",
-        "kvtier_bench.serve",
-    ),
+BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
+    "copy": "device<->host swap GB/s vs contiguous copy and loop",
+    "storage": "storage save/load GB/s vs raw disk / raw Mooncake",
+    "e2e": "the chat workload: device-only vs +host vs kvtier",
+    "latency": "1-block swap round trip vs raw ZeroMQ round trip",
+    "vllm": "a real vLLM engine: recompute vs kvtier miss+save vs kvtier hits",
+    "serve": "vllm serve with kvtier vs without: fair binding, 4 workloads, interleaved rounds",
+    "cluster": "engines sharing a Mooncake cluster; prefill/decode through it vs one instance",
 }
 
 
@@ -267,7 +262,7 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
         "bench", parents=[common], help="benchmarks, each beside the limit it is measured against"
     )
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name, (text, _) in BENCHES.items():
+    for name, text in BENCHES.items():
         # Options are parsed by the benchmark's own parser, imported only when it runs.
         b = bench_sub.add_parser(name, help=text, add_help=False, parents=[common])
         b.set_defaults(func=_bench, bench_name=name, takes_extra=True)
@@ -277,7 +272,7 @@ def _bench(args: argparse.Namespace) -> int:
     name = args.bench_name
     parser = _bench_parser(name)
     options = parser.parse_args(args.extra)  # --help and bad values answer before torch loads
-    return importlib.import_module(BENCHES[name][1]).report(options)
+    return importlib.import_module(f"kvtier_bench.{name}").report(options)
 
 
 def _bench_parser(name: str) -> argparse.ArgumentParser:
@@ -286,7 +281,7 @@ def _bench_parser(name: str) -> argparse.ArgumentParser:
 
     from kvtier_bench.options import ARGUMENTS
 
-    spec = importlib.util.find_spec(BENCHES[name][1])  # its docstring, read without importing
+    spec = importlib.util.find_spec(f"kvtier_bench.{name}")  # its docstring, read without importing
     doc = None
     if spec is not None and spec.origin:
         with open(spec.origin) as f:

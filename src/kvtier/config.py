@@ -66,8 +66,19 @@ def default_socket_dir() -> Path:
     return path
 
 
+MAX_SOCKET_PATH = 107  # bytes in a Unix socket's address (sun_path, 108 with its NUL)
+
+
 def endpoint_for(instance_id: str, rank: int, socket_dir: Path | None = None) -> str:
-    return f"ipc://{socket_dir or default_socket_dir()}/{instance_id}-rank{rank}.sock"
+    path = f"{socket_dir or default_socket_dir()}/{instance_id}-rank{rank}.sock"
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            "endpoint",
+            f"the socket path {path} is {len(path.encode())} bytes, over the "
+            f"{MAX_SOCKET_PATH} a Unix socket allows: set XDG_RUNTIME_DIR (or TMPDIR) to a "
+            "shorter directory, or use a shorter instance id",
+        )
+    return f"ipc://{path}"
 
 
 @dataclass(frozen=True)

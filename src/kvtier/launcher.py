@@ -31,6 +31,7 @@ from kvtier.config import WorkerConfig, env_sources, resolve
 from kvtier.config_sources import Source
 from kvtier.cpus import OMP_PLACEMENT_VARIABLES
 from kvtier.endpoint import reclaim_endpoint
+from kvtier.errors import ConfigError
 from kvtier.interrupts import deferred_interrupts
 from kvtier.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans
 from kvtier.spec import KVCacheSpec
@@ -137,8 +138,6 @@ def _tcp_for_rank(endpoint: str, rank: int) -> str:
     """Rank r of a ``tcp://HOST:PORT`` launch listens on PORT + r (as metrics ports do)."""
     host, _, port = endpoint.rpartition(":")
     if not port.isdigit():
-        from kvtier.errors import ConfigError
-
         raise ConfigError("endpoint", f"a tcp:// endpoint needs a port, got {endpoint!r}")
     return f"{host}:{int(port) + rank}"
 
@@ -162,6 +161,11 @@ def start_workers(
     ``reaper_too``: also start a reaper (``kvtier.reaper``) that removes what the launch leaves
     if this process is killed together with its workers (vLLM kills its workers' whole process
     trees)."""
+    if log_dir is not None:
+        try:  # the user's directory: made if missing (only the user may read the logs)
+            Path(log_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError("log_dir", f"cannot create {log_dir}: {e.strerror}") from None
     reclaim_orphans()
     launch = Launch(configs)
     with deferred_interrupts():  # a directory without its lock would never be reclaimed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import sys
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -57,6 +58,15 @@ class Proxy(ThreadingHTTPServer):
     def count(self, name: str) -> None:
         with self.lock:
             self.counts[name] += 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up (after its answer, or mid-stream) is normal: one debug line,
+        not socketserver's traceback on stderr."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("pd-proxy: %s hung up (%s)", client_address, error)
+        else:
+            log.error("pd-proxy: request from %s failed", client_address, exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):

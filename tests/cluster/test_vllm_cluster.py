@@ -1,9 +1,11 @@
-"""Two vLLM engines sharing one Mooncake cluster through kvtier, as a cluster runs: a master, a
-storage node and two ``vllm serve`` engines, each in its own network namespace with an address
-that exists only there. Engine B hits the prefixes engine A computed, with A's tokens (A's first
-answers are misses: vLLM computed them); objects carry kvtier's MAC, one key for the cluster.
-Then the storage node dies: every request still completes, with the same tokens (recompute),
-within its bound; and once a node is back, hits come back.
+"""vLLM engines sharing one Mooncake cluster through kvtier, as a cluster runs: a master, a
+storage node and three ``vllm serve`` engines (A and B at TP=1, C at TP=2), each in its own
+network namespace with an address that exists only there. Engine B hits the prefixes engine A
+computed, with A's tokens (A's first answers are misses: vLLM computed them); C's objects
+(another layout) and A's never hit each other; objects carry kvtier's MAC, one key for the
+cluster. Then the faults a cluster has: the storage node's link down for a while, the master
+restarted, the storage node killed — every request still completes, with the same tokens
+(recompute), within its bound; and once the cluster is back, hits come back.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from netcheck import Namespaces, namespaces_unavailable, start_role
 BLOCK = 128
 PROMPTS = [[(7 * i + 13 * j) % 900 + 30 for j in range(700)] for i in range(3)]  # 5 blocks each
 SEGMENT_BYTES = 256 << 20  # the storage node's share: every object of this test, several times
+SMALL_SEGMENT_BYTES = 24 << 20  # the replacement node: ~4 prompts of 1 MiB objects, then evicts
 FAULT_BOUND_S = 180.0  # one request while the store is gone: a recompute, never a hang
+OUTAGE_S = 15.0  # the node's link down: past Mooncake's call deadline (10 s) and its lease
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two ranks on two cores (reserved: 0)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,7 @@ def cluster(model, tmp_path_factory):
         pytest.skip(why)
     root = tmp_path_factory.mktemp("cluster")
     auth.write_key(root / "mac.key")
-    with Namespaces(["master", "node", "a", "b"], subnet=78, reach_from_root=True) as net:
+    with Namespaces(["master", "node", "a", "b", "c"], subnet=78, reach_from_root=True) as net:
         roles = []
         engines: dict[str, Server] = {}
         try:
@@ -44,7 +49,7 @@ def cluster(model, tmp_path_factory):
                 net, "node", info["master_address"], info["metadata"], str(SEGMENT_BYTES)
             )
             roles.append(node)
-            for name in ("a", "b"):
+            for name in ("a", "b", "c"):
                 storage = {
                     "backend": "mooncake",
                     "master_address": info["master_address"],
@@ -60,9 +65,12 @@ def cluster(model, tmp_path_factory):
                     kvtier={"storage": storage, "namespace": "cluster-model"},
                     host=net.addresses[name],
                     netns=net.names[name],
+                    tensor_parallel=2 if name == "c" else 1,
+                    reserved_cpus=0 if name == "c" else None,
+                    env=TP2_ENV if name == "c" else {},
                 )
                 engines[name].start()
-            with ThreadPoolExecutor(2) as pool:
+            with ThreadPoolExecutor(3) as pool:
                 list(pool.map(Server.wait_ready, engines.values()))
             yield {"net": net, "info": info, "roles": roles, **engines}
         finally:
@@ -80,6 +88,39 @@ def _moved(server: Server, before: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
+def _loaded(server: Server, prompt: list[int]) -> tuple[list[int], float]:
+    """``server``'s answer with its own prefix cache empty, and the tokens it loaded."""
+    server.reset_prefix_cache()
+    before = server.metrics()
+    tokens = server.complete(prompt)
+    moved = _moved(server, before)
+    return tokens, moved["vllm:kvtier_loaded_tokens_total"]
+
+
+def _answers_within_bound(server: Server, prompt: list[int], want: list[int]) -> None:
+    server.reset_prefix_cache()
+    start = time.monotonic()
+    assert server.complete(prompt) == want
+    assert time.monotonic() - start < FAULT_BOUND_S
+
+
+def _hits_come_back(cluster, seed: int) -> None:
+    """A's new saves are hit by B again (with A's tokens) within the bound."""
+    a, b = cluster["a"], cluster["b"]
+    again = [(seed * j) % 900 + 50 for j in range(700)]
+    deadline = time.monotonic() + FAULT_BOUND_S
+    while True:
+        a.reset_prefix_cache()
+        want = a.complete(again)
+        time.sleep(1)
+        tokens, loaded = _loaded(b, again)
+        assert tokens == want
+        if loaded > 0:
+            return
+        assert time.monotonic() < deadline, "no hit came back after the fault"
+        again = [t + 1 for t in again]
+
+
 def test_engine_b_hits_what_engine_a_computed(cluster) -> None:
     a, b = cluster["a"], cluster["b"]
     reference = [a.complete(p) for p in PROMPTS]  # misses: vLLM computed these, kvtier saved
@@ -90,42 +131,102 @@ def test_engine_b_hits_what_engine_a_computed(cluster) -> None:
     full = sum((len(p) - 1) // BLOCK for p in PROMPTS)  # blocks a hit can cover
     assert moved["vllm:kvtier_loaded_tokens_total"] >= 0.9 * full * BLOCK
     assert moved["vllm:kvtier_failed_tokens_total"] == 0
-    cluster["reference"] = reference
+
+
+def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster) -> None:
+    """Objects are per layout and rank: C (TP=2) finds none of A's (TP=1), A none of C's; each
+    hits its own, with the tokens it computed."""
+    a, c = cluster["a"], cluster["c"]
+    first, loaded = _loaded(c, PROMPTS[0])  # A saved this prompt in the first test
+    assert loaded == 0
+    time.sleep(1)
+    assert _loaded(c, PROMPTS[0]) == (first, 2 * ((len(PROMPTS[0]) - 1) // BLOCK) * BLOCK)
+    only_c = [(23 * j) % 900 + 30 for j in range(700)]
+    c_tokens = c.complete(only_c)
+    time.sleep(1)
+    a_tokens, loaded = _loaded(a, only_c)
+    assert loaded == 0
+    assert _loaded(a, only_c)[0] == a_tokens  # a hit of A's own saves: A's tokens
+    print(
+        f"TP=2 and TP=1 tokens equal: {first == cluster['a'].complete(PROMPTS[0])}, "
+        f"{c_tokens == a_tokens}"
+    )
+
+
+def test_a_storage_node_cut_off_costs_recomputes_then_hits_return(cluster) -> None:
+    """The node's link down for longer than Mooncake's call deadline: B's loads of objects on
+    it fail within the deadline and are recomputed; Mooncake's master drops the silent node's
+    objects (they are misses after), and once the link is up new saves are hit again."""
+    a, b, net = cluster["a"], cluster["b"], cluster["net"]
+    want = a.complete(PROMPTS[1])
+    net.link("node", up=False)
+    try:
+        start = time.monotonic()
+        _answers_within_bound(b, PROMPTS[1], want)
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - start)))
+    finally:
+        net.link("node", up=True)
+    _answers_within_bound(b, PROMPTS[2], a.complete(PROMPTS[2]))
+    _hits_come_back(cluster, 19)
+
+
+def test_a_restarted_master_costs_recomputes_then_hits_return(cluster) -> None:
+    """The master restarted (same address): what it knew is gone — misses, recomputed with
+    the same tokens — and the node and engines carry on with it: new saves are hit again."""
+    a, b = cluster["a"], cluster["b"]
+    master = cluster["roles"][0]
+    master.stdin.write(b"restart\n")
+    master.stdin.flush()
+    assert master.stdout.readline(), "the master did not come back"
+    for prompt in (PROMPTS[0], [(29 * j) % 900 + 30 for j in range(700)]):
+        _answers_within_bound(b, prompt, a.complete(prompt))
+    _hits_come_back(cluster, 31)
 
 
 def test_a_dead_storage_node_costs_recomputes_never_wrong_tokens_or_hangs(cluster) -> None:
     a, b = cluster["a"], cluster["b"]
     fresh = [(11 * j) % 900 + 40 for j in range(700)]
-    want = a.complete(fresh)
+    a.complete(fresh)  # saved to the node
+    time.sleep(1)
     node = cluster["roles"][1]
     node.kill()  # the storage node and its Mooncake process
     node.wait(30)
-    for prompt, tokens in [(fresh, want), (PROMPTS[0], a.complete(PROMPTS[0]))]:
-        b.reset_prefix_cache()
-        start = time.monotonic()
-        assert b.complete(prompt) == tokens
-        assert time.monotonic() - start < FAULT_BOUND_S
-    # A storage node again: new objects are saved and hit.
+    for prompt in (fresh, PROMPTS[0]):
+        _answers_within_bound(b, prompt, a.complete(prompt))
+    # A storage node again (a small one: the next test fills it): new objects are hit.
     net, info = cluster["net"], cluster["info"]
-    node, _ = start_role(net, "node", info["master_address"], info["metadata"], str(SEGMENT_BYTES))
+    size = str(SMALL_SEGMENT_BYTES)
+    node, _ = start_role(net, "node", info["master_address"], info["metadata"], size)
     cluster["roles"].append(node)
-    again = [(17 * j) % 900 + 50 for j in range(700)]
-    deadline = time.monotonic() + FAULT_BOUND_S
-    while True:
-        want = a.complete(again)
-        time.sleep(1)
-        b.reset_prefix_cache()
-        before = b.metrics()
-        assert b.complete(again) == want
-        if _moved(b, before)["vllm:kvtier_loaded_tokens_total"] > 0:
-            break
-        assert time.monotonic() < deadline, "no hit came back after the storage node returned"
-        a.reset_prefix_cache()
-        again = [t + 1 for t in again]
+    _hits_come_back(cluster, 17)
+
+
+def test_a_full_store_evicts_and_its_misses_are_counted_not_errors(cluster) -> None:
+    """A's saves overflow the node more than twice: Mooncake refuses puts while it evicts
+    (counted as save failures) and evicts; B's asks are mostly misses (found < asked), each
+    recomputed with A's tokens; once the store has room again, new saves are hit."""
+    a, b = cluster["a"], cluster["b"]
+    prompts = [[(37 * i + 41 * j) % 900 + 20 for j in range(700)] for i in range(12)]
+    before_a = a.metrics()
+    wants = [a.complete(p) for p in prompts]  # 60 objects of 1 MiB into a 24 MiB segment
+    time.sleep(1)
+    before = b.metrics()
+    assert [b.complete(p) for p in prompts] == wants
+    moved = _moved(b, before)
+    assert moved["vllm:kvtier_found_tokens_total"] < moved["vllm:kvtier_requested_tokens_total"]
+    saves = _moved(a, before_a)
+    print(
+        f"eviction: A saved {saves['vllm:kvtier_saved_tokens_total']:.0f} tokens, "
+        f"{saves['vllm:kvtier_save_failures_total']:.0f} save tasks failed in part; B found "
+        f"{moved['vllm:kvtier_found_tokens_total']:.0f} of "
+        f"{moved['vllm:kvtier_requested_tokens_total']:.0f} tokens asked, "
+        f"{moved['vllm:kvtier_failed_tokens_total']:.0f} failed loads"
+    )
+    _hits_come_back(cluster, 43)
 
 
 def test_the_engines_stop_leaving_nothing(cluster) -> None:
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         server = cluster[name]
         assert server.stop("group", signal.SIGINT) < 60
         assert server.leftovers() == []

@@ -20,7 +20,7 @@ from conftest import require_mooncake
 from kvtier import tasks as t
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
-from kvtier.errors import WorkerError
+from kvtier.errors import ConfigError, WorkerError
 from kvtier.launcher import start_workers, worker_configs
 from kvtier.shm import SHM_DIR
 from worker_helpers import FAST, WSPEC
@@ -134,6 +134,30 @@ def test_a_failed_start_is_reported_within_a_second_with_the_log(tmp_path, figur
     assert exited, "rank 1's process was never seen"
     figures["reported_after_exit_s"] = raised - exited[0]
     assert raised - exited[0] < 1.5
+
+
+def test_a_missing_log_dir_is_made_and_an_impossible_one_is_a_config_error(tmp_path) -> None:
+    """vLLM's ``log_dir`` setting pointed at a missing directory killed the engine at start
+    with "No such file or directory: .../rank0.log"."""
+    logs = tmp_path / "new" / "logs"
+    client = Client.launch(
+        WSPEC,
+        1,
+        {"backend": "memory"},
+        instance_id=_instance(),
+        log_dir=logs,
+        device_cache_mode="create",
+        client_options=FAST,
+    )
+    try:
+        assert client.ping() > 0
+    finally:
+        client.close()
+    assert (logs / "rank0.log").stat().st_size > 0
+    assert logs.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="log_dir: cannot create"):
+        Client.launch(WSPEC, 1, {"backend": "memory"}, log_dir=tmp_path / "a-file" / "logs")
 
 
 def test_close_does_not_wait_for_workers_that_are_gone(tmp_path, figures):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -122,3 +124,31 @@ def test_a_failed_consumer_is_a_502_that_says_so(pair) -> None:
     consumer.server_close()
     status, body = post(proxy, "/v1/completions", json.dumps({"prompt": [4]}).encode())
     assert status == 502 and "consumer" in json.loads(body)["error"]
+
+
+def test_a_client_that_hangs_up_costs_no_traceback_and_the_proxy_serves_on(pair, capfd) -> None:
+    """A client that resets its connection after its answer (as streaming clients do) made
+    socketserver print a 20-line traceback per request on the proxy's stderr."""
+    proxy, producer, consumer = pair
+    handled = threading.Event()
+    original = proxy.handle_error
+
+    def handle_error(*args) -> None:
+        original(*args)
+        handled.set()
+
+    proxy.handle_error = handle_error
+    body = json.dumps({"prompt": [1], "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", proxy.server_address[1]), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        answer = b""
+        while not answer.endswith(b"0\r\n\r\n"):  # the whole chunked answer
+            answer += s.recv(65536)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+    assert handled.wait(10)
+    assert "Traceback" not in capfd.readouterr().err
+    status, _ = post(proxy, "/v1/completions", json.dumps({"prompt": [2]}).encode())
+    assert status == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -235,3 +236,14 @@ def test_launch_and_the_connector_resolve_as_serve_does(tmp_path, monkeypatch) -
     args = build_parser().parse_args(["serve", "--config-is-complete", "--config", str(path)])
     assert args.config_is_complete
     assert load_config(args.config, _serve_overrides(args), {}) == cfg
+
+
+def test_a_socket_path_too_long_for_unix_is_a_config_error(tmp_path, monkeypatch) -> None:
+    """ZeroMQ's "File name too long" named neither the path nor what to change."""
+    from kvtier.config import MAX_SOCKET_PATH, endpoint_for
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    fits = "i" * (MAX_SOCKET_PATH - len(f"{tmp_path}/kvtier-{os.getuid()}/-rank0.sock"))
+    assert endpoint_for(fits, 0).startswith("ipc://")
+    with pytest.raises(ConfigError, match="endpoint: the socket path .* XDG_RUNTIME_DIR"):
+        endpoint_for(fits + "x", 0)

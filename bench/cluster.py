@@ -1,0 +1,384 @@
+"""Engines that share a Mooncake cluster, and prefill/decode through it, as ``vllm serve`` runs.
+
+A Mooncake master and a storage node on loopback; every engine is a pure Mooncake client (its
+objects live on the node), all with one MAC key. Three measures, each round with new prompts:
+
+(a) **Shared prefixes.** Engine A computes a set of prompts (its saves go to the cluster); then
+    engine B answers them — loaded from the store — and, as its own baseline, a set nobody saw
+    (B computes them). The same server, the same round, the order alternating; vLLM's prefix
+    cache reset before each set. B's completions must equal A's.
+(b) **Prefill/decode.** A producer and a consumer (``kv_producer`` / ``kv_consumer``), each on
+    half the cores, against one instance without a connector on all of them. Per prompt the
+    producer computes it (``max_tokens`` 1) and the consumer answers: the consumer's TTFT is a
+    load; the single instance's is a prefill. Then a set through ``kvtier pd-proxy`` with
+    several in flight: end-to-end TTFT and requests/s. Completions must equal the single one's.
+(c) **Load bandwidth.** B's loads in (a) (bytes over the workers' load time) beside Mooncake's
+    own ``batch_get_into`` of the same number of objects of the same size from the same node.
+
+Servers start once (their start is minutes on a busy machine); rounds use fresh prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from kvtier import auth
+from kvtier.cpus import format_cpu_list
+from kvtier_bench import serve_load as load
+from kvtier_bench.common import gbps, print_json_rows, progress
+from kvtier_bench.storage_raw import raw_mooncake_gbps
+from kvtier_bench.vllm_server import Server
+
+BLOCK = 128  # vLLM's block size on CPU: what a hit can cover
+SAVE_SETTLE_S = 1.0  # A's saves are answered off its critical path; B looks them up next
+COUNTERS = {
+    "loaded_tokens": "vllm:kvtier_loaded_tokens_total",
+    "failed_tokens": "vllm:kvtier_failed_tokens_total",
+    "load_bytes": "vllm:kvtier_load_bytes_total",
+    "load_microseconds": "vllm:kvtier_load_microseconds_total",
+}
+
+
+@dataclass
+class Cluster:
+    master: Any
+    node: Any
+    storage: dict[str, Any]
+
+    def stop(self) -> None:
+        for process in (self.node, self.master):
+            process.stop()
+
+
+def start_cluster(root: Path, segment_bytes: int) -> Cluster:
+    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+
+    auth.write_key(root / "mac.key")
+    master = LocalMaster().start()
+    try:
+        node = LocalStoreNode(master, segment_bytes).start()
+    except BaseException:
+        master.stop()
+        raise
+    storage = master.config(
+        global_segment_size=0,  # pure clients: the objects live on the node
+        local_buffer_size=64 << 20,
+        local_hostname="127.0.0.1",
+        mac_key_file=str(root / "mac.key"),
+    )
+    return Cluster(master, node, storage)
+
+
+def halves() -> tuple[str, str, str]:
+    """CPU lists: the producer's, the consumer's, and the single instance's (all of them)."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    first, second = cores[:half], cores[half:] or cores[:half]
+    return tuple(format_cpu_list(set(c)) for c in (first, second, cores))  # type: ignore
+
+
+def server(
+    args,
+    model: str,
+    root: Path,
+    name: str,
+    role: str | None,
+    cores: str | None = None,
+    storage=None,
+):
+    """A server of the cluster (``role``: a kv role) or, with ``role`` None, one without kvtier;
+    ``cores``: its OpenMP binding (and no reserved core), else the bench serve default;
+    ``storage``: instead of the cluster."""
+    extra = None
+    if role is not None:
+        extra = {**json.loads(args.kvtier_settings), "storage": storage or args.storage}
+        extra["namespace"] = "bench-cluster"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {}
+    return Server(
+        model,
+        root / name,
+        kvtier=extra,
+        kv_role=role or "kv_both",
+        kv_bytes=args.kv_bytes,
+        max_num_seqs=max(8, args.concurrency),
+        reserved_cpus=0 if cores else 1,
+        env=env,
+    )
+
+
+def start_all(servers: list[Server]) -> None:
+    for s in servers:
+        s.start()
+    for s in servers:
+        progress(f"  {s.workdir.name} ready in {s.wait_ready():.0f} s")
+        s.complete([5, 6, 7, 8], 2)  # warm-up, unrelated to every prompt set
+
+
+def sessions(tag: int, args) -> list[load.Session]:
+    return load.no_reuse(tag, args.prompts, args.prompt_tokens)
+
+
+def measured(srv: Server, work: list[load.Session], concurrency: int, output: int) -> dict:
+    srv.reset_prefix_cache()
+    before = srv.metrics()
+    records = load.run(srv, work, concurrency, output)
+    after = srv.metrics()
+    out = {k: after.get(v, 0) - before.get(v, 0) for k, v in COUNTERS.items()}
+    return {
+        **load.figures(records),
+        **out,
+        "tokens": [r.tokens for r in records],
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def shared_round(args, a: Server, b: Server, r: int) -> dict[str, Any]:
+    shared, alone = sessions(100 + r, args), sessions(200 + r, args)
+    a.reset_prefix_cache()
+    reference = [rec.tokens for rec in load.run(a, shared, 1, args.output_tokens)]
+    time.sleep(SAVE_SETTLE_S)
+    out: dict[str, Any] = {}
+    for which in ("shared", "alone") if r % 2 == 0 else ("alone", "shared"):
+        work = shared if which == "shared" else alone
+        out[which] = measured(b, work, args.concurrency, args.output_tokens)
+    out["identical"] = out["shared"]["tokens"] == reference
+    aligned = sum((len(s.turns[0]) - 1) // BLOCK * BLOCK for s in shared)
+    out["hit_fraction"] = out["shared"]["loaded_tokens"] / aligned
+    return out
+
+
+def pd_round(args, producer: Server, consumer: Server, single: Server, proxy, r: int) -> dict:
+    one_by_one, through = sessions(300 + r, args), sessions(400 + r, args)
+    for s in (producer, consumer, single):
+        s.reset_prefix_cache()
+    single_ttft, consumer_ttft, prefill, end_to_end, identical = [], [], [], [], True
+    for session in one_by_one:
+        prompt = session.turns[0]
+        alone = load.stream(single, prompt, args.output_tokens, session.group, False)
+        p = load.stream(producer, prompt, 1, session.group, False)
+        c = load.stream(consumer, prompt, args.output_tokens, session.group, False)
+        single_ttft.append(alone.ttft_s)
+        consumer_ttft.append(c.ttft_s)
+        prefill.append(p.end - p.start)
+        end_to_end.append(p.end - p.start + c.ttft_s)
+        identical &= c.tokens == alone.tokens
+    both = {
+        "single": measured(single, through, args.concurrency, args.output_tokens),
+        "proxy": measured(proxy, through, args.concurrency, args.output_tokens),
+    }
+    return {
+        "single_ttft_p50_s": statistics.median(single_ttft),
+        "consumer_ttft_p50_s": statistics.median(consumer_ttft),
+        "producer_prefill_p50_s": statistics.median(prefill),
+        "pd_ttft_p50_s": statistics.median(end_to_end),
+        "single": both["single"],
+        "proxy": both["proxy"],
+        "identical": identical and both["single"]["tokens"] == both["proxy"]["tokens"],
+    }
+
+
+class ProxyTarget(SimpleNamespace):
+    """What ``serve_load`` needs of a server, for the proxy; its counters are the consumer's."""
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return self.consumer.metrics()
+
+
+def run_proxy(producer: Server, consumer: Server) -> tuple[Any, ProxyTarget]:
+    from kvtier.pd_proxy import serve
+
+    proxy = serve(producer.url, consumer.url, "127.0.0.1", 0, timeout_s=600.0)
+    port = proxy.server_address[1]
+    return proxy, ProxyTarget(host="127.0.0.1", port=port, model=producer.model, consumer=consumer)
+
+
+def rows_of(shared: list[dict], pd: list[dict], raw: float) -> list[dict[str, Any]]:
+    """Medians over rounds of each figure and of its ratio to the baseline within a round."""
+
+    def row(part, measure, pairs, goal=""):
+        pairs = [(x, y) for x, y in pairs if x is not None and y]
+        if not pairs:
+            return None
+        return {
+            "part": part,
+            "measure": measure,
+            "value": statistics.median(x for x, _ in pairs),
+            "baseline": statistics.median(y for _, y in pairs),
+            "ratio": statistics.median(x / y for x, y in pairs),
+            "goal": goal,
+            "rounds": len(pairs),
+        }
+
+    s = [(r["shared"], r["alone"]) for r in shared]
+    load_gbps = [
+        gbps(int(x["load_bytes"]), x["load_microseconds"] / 1e6) if x["load_microseconds"] else None
+        for x, _ in s
+    ]
+    rows = [
+        row("B with A's prefixes / B alone", "TTFT mean (s)", _pairs(s, "ttft_mean_s")),
+        row("B with A's prefixes / B alone", "TTFT p50 (s)", _pairs(s, "ttft_p50_s"), "<= 0.3"),
+        row("B with A's prefixes / B alone", "TTFT p99 (s)", _pairs(s, "ttft_p99_s")),
+        row("B with A's prefixes / B alone", "requests/s", _pairs(s, "requests_per_s")),
+        row("B loads / raw Mooncake get", "GB/s", [(g, raw) for g in load_gbps]),
+        row("P/D consumer / single", "TTFT p50 (s)", _pd(pd, "consumer"), "<= 0.3"),
+        row("P/D producer + consumer / single", "TTFT p50 (s)", _pd(pd, "pd")),
+    ]
+    proxy = [(r["proxy"], r["single"]) for r in pd]
+    rows += [
+        row("P/D via pd-proxy / single", "TTFT p50 (s)", _pairs(proxy, "ttft_p50_s")),
+        row("P/D via pd-proxy / single", "TTFT p99 (s)", _pairs(proxy, "ttft_p99_s")),
+        row("P/D via pd-proxy / single", "requests/s", _pairs(proxy, "requests_per_s")),
+    ]
+    rows = [r for r in rows if r is not None]
+    rows.append(
+        {
+            "part": "checks",
+            "hit_fraction_median": statistics.median(r["hit_fraction"] for r in shared)
+            if shared
+            else None,
+            "failed_tokens": sum(r["shared"]["failed_tokens"] for r in shared),
+            "identical_rounds_shared": sum(r["identical"] for r in shared),
+            "identical_rounds_pd": sum(r["identical"] for r in pd),
+            "rounds": len(pd),
+            "load_average": [round(r["proxy"]["load_average"], 1) for r in pd],
+        }
+    )
+    return rows
+
+
+def _pairs(pairs: list[tuple[dict, dict]], figure: str) -> list[tuple[Any, Any]]:
+    return [(x.get(figure), y.get(figure)) for x, y in pairs]
+
+
+def _pd(pd: list[dict], which: str) -> list[tuple[Any, Any]]:
+    return [(r[f"{which}_ttft_p50_s"], r["single_ttft_p50_s"]) for r in pd]
+
+
+def print_report(rows: list[dict], args) -> None:
+    print(
+        f"kvtier bench cluster: {args.rounds} rounds, {args.prompts} prompts x "
+        f"{args.prompt_tokens} tokens per set, {args.concurrency} in flight, one Mooncake "
+        f"master and storage node on loopback, engines as pure clients; P/D through "
+        f"{'the cluster' if args.pd_storage == 'mooncake' else 'a shared file store'}"
+    )
+    header = f"{'':36} {'measure':14} {'value':>9} {'baseline':>9} {'ratio':>7} {'goal':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "measure" in r:
+            print(
+                f"{r['part']:36} {r['measure']:14} {r['value']:9.3f} {r['baseline']:9.3f} "
+                f"{r['ratio']:7.3f} {r['goal']:>7}"
+            )
+    checks = rows[-1]
+    print(
+        f"B's block-aligned prompt tokens from the store: {checks['hit_fraction_median'] or 0:.0%} "
+        f"(median), failed tokens {checks['failed_tokens']:.0f}; completions identical: "
+        f"shared {checks['identical_rounds_shared']}/{checks['rounds']} rounds, "
+        f"P/D {checks['identical_rounds_pd']}/{checks['rounds']}; "
+        f"load average {checks['load_average']}"
+    )
+
+
+def report(args: argparse.Namespace) -> int:
+    from kvtier_bench.vllm_engine import make_model
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-") as tmp:
+        root = Path(tmp)
+        model = args.model or str(root / "model")
+        if not args.model:
+            progress("building a random Llama (hidden 512, 4 layers)")
+            make_model(model)
+        cluster = start_cluster(root, args.segment_bytes)
+        args.storage = cluster.storage
+        try:
+            shared, pd, raw = measure(args, model, root, cluster)
+        finally:
+            cluster.stop()
+    rows = rows_of(shared, pd, raw)
+    if args.json:
+        print_json_rows(rows)
+    else:
+        print_report(rows, args)
+    return 0
+
+
+def measure(args, model: str, root: Path, cluster: Cluster):
+    """(shared rounds, P/D rounds, raw Mooncake GB/s)."""
+    shared, raw = [], 0.0
+    if not args.skip_shared:
+        shared = measure_shared(args, model, root)
+        objects = round(statistics.median(x["shared"]["loaded_tokens"] for x in shared) / BLOCK)
+        raw = raw_mooncake_gbps(cluster.storage, max(1, objects), args.raw_runs)
+    return shared, measure_pd(args, model, root), raw
+
+
+def measure_shared(args, model: str, root: Path) -> list[dict]:
+    a, b = (server(args, model, root, name, "kv_both") for name in ("a", "b"))
+    progress("(a) engines A and B on the cluster")
+    with running([a, b]):
+        rounds = []
+        for r in range(args.rounds):
+            progress(f"  round {r + 1}/{args.rounds}")
+            rounds.append(shared_round(args, a, b, r))
+        return rounds
+
+
+def measure_pd(args, model: str, root: Path) -> list[dict]:
+    progress(f"(b) a producer and a consumer ({args.pd_storage}) vs one instance on all cores")
+    first, second, every = halves()
+    pd_storage = None  # the cluster
+    if args.pd_storage == "file":  # one machine: a shared file store
+        pd_storage = {"backend": "file", "root": str(root / "pd-store")}
+        pd_storage["mac_key_file"] = args.storage["mac_key_file"]
+    producer = server(args, model, root, "producer", "kv_producer", first, pd_storage)
+    consumer = server(args, model, root, "consumer", "kv_consumer", second, pd_storage)
+    single = server(args, model, root, "single", None, every)
+    with running([producer, consumer, single]):
+        proxy, target = run_proxy(producer, consumer)
+        try:
+            rounds = []
+            for r in range(args.rounds):
+                progress(f"  round {r + 1}/{args.rounds}")
+                rounds.append(pd_round(args, producer, consumer, single, target, r))
+            return rounds
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+
+
+@contextmanager
+def running(servers: list[Server]):
+    """The servers started and warmed up; stopped (with everything they started) after."""
+    try:
+        start_all(servers)
+        yield
+    finally:
+        for s in servers:
+            if s.process is not None and s.process.poll() is None:
+                s.stop()
+            s.kill_marked()
+
+
+def main() -> int:
+    from kvtier_bench.common import standalone
+    from kvtier_bench.options import cluster_arguments
+
+    return standalone("cluster", __doc__, cluster_arguments, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
