@@ -33,7 +33,8 @@ class ConnectorSettings:
     - ``staging_blocks``: blocks per storage step in each worker (default 16).
     - ``start_timeout_s``, ``task_timeout_s``: worker start and per-task bounds.
     - ``metrics_port``: kvtier's own Prometheus exporter per worker (port + rank; 0: any).
-    - ``log_dir``: keep the kvtier workers' logs there (default: removed at shutdown).
+    - ``log_dir``: keep the kvtier workers' logs there, made (0700) if missing (default: removed at
+      shutdown).
     """
 
     storage: dict[str, Any] | None = None  # None: KVTIER_STORAGE*, else the file store
