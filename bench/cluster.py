@@ -34,6 +34,7 @@ from typing import Any
 
 from kvtier import auth
 from kvtier.cpus import format_cpu_list
+from kvtier.table import print_table
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import gbps, print_json_rows, progress
 from kvtier_bench.storage_raw import raw_mooncake_gbps
@@ -41,6 +42,14 @@ from kvtier_bench.vllm_server import Server
 
 BLOCK = 128  # vLLM's block size on CPU: what a hit can cover
 SAVE_SETTLE_S = 1.0  # A's saves are answered off its critical path; B looks them up next
+COLUMNS = [
+    ("part", "", "s"),
+    ("measure", "measure", "s"),
+    ("value", "value", ".3f"),
+    ("baseline", "baseline", ".3f"),
+    ("ratio", "ratio", ".3f"),
+    ("goal", "goal", "s"),
+]
 COUNTERS = {
     "loaded_tokens": "vllm:kvtier_loaded_tokens_total",
     "failed_tokens": "vllm:kvtier_failed_tokens_total",
@@ -83,8 +92,8 @@ def halves() -> tuple[str, str, str]:
     """CPU lists: the producer's, the consumer's, and the single instance's (all of them)."""
     cores = sorted(os.sched_getaffinity(0))
     half = max(1, len(cores) // 2)
-    first, second = cores[:half], cores[half:] or cores[:half]
-    return tuple(format_cpu_list(set(c)) for c in (first, second, cores))  # type: ignore
+    first, second = set(cores[:half]), set(cores[half:] or cores[:half])
+    return format_cpu_list(first), format_cpu_list(second), format_cpu_list(set(cores))
 
 
 def server(
@@ -274,15 +283,7 @@ def print_report(rows: list[dict], args) -> None:
         f"master and storage node on loopback, engines as pure clients; P/D through "
         f"{'the cluster' if args.pd_storage == 'mooncake' else 'a shared file store'}"
     )
-    header = f"{'':36} {'measure':14} {'value':>9} {'baseline':>9} {'ratio':>7} {'goal':>7}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        if "measure" in r:
-            print(
-                f"{r['part']:36} {r['measure']:14} {r['value']:9.3f} {r['baseline']:9.3f} "
-                f"{r['ratio']:7.3f} {r['goal']:>7}"
-            )
+    print_table([r for r in rows if "measure" in r], COLUMNS)
     checks = rows[-1]
     print(
         f"B's block-aligned prompt tokens from the store: {checks['hit_fraction_median'] or 0:.0%} "
