@@ -2,6 +2,8 @@
 
 - ``kvtier._copy``: the batched piece copier. Without it kvtier uses its two-pass torch copier
   (about half as fast), saying so once when a copier is made.
+- ``kvtier._fileio``: a file-store object read (and hashed) or written in one call without the
+  GIL. Without it the store does the same in Python (slower with several I/O threads).
 - ``kvtier._bindguard``: not a Python module but a preloaded library that keeps Mooncake's
   listeners on the configured host (see kvtier/bindguard.py). Without it kvtier says so once.
 
@@ -19,6 +21,14 @@ setup(
             depends=["src/kvtier/third_party/xxhash.h"],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
+            optional=True,
+        ),
+        Extension(
+            "kvtier._fileio",
+            sources=["src/kvtier/_fileio.c"],
+            include_dirs=["src/kvtier"],
+            depends=["src/kvtier/third_party/xxhash.h"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(

@@ -15,7 +15,7 @@ import torch
 from crash_saver import run_iterations
 from kvtier.errors import ConfigError
 from kvtier.host import HostPool
-from kvtier.storage import make_backend
+from kvtier.storage import file_io, make_backend
 from kvtier.storage.file import FileStore, FileStoreConfig, FsyncPolicy
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
@@ -35,6 +35,42 @@ class TestFileStore(StoreContract):
 
     def make_store(self, spec):
         return make_backend(spec, self.store_config())
+
+
+class TestFileStoreInPython(TestFileStore):
+    """The same contract with the store's Python reads and writes (no ``kvtier._fileio``)."""
+
+    @pytest.fixture(autouse=True)
+    def _python_io(self, monkeypatch):
+        monkeypatch.setattr(file_io, "_fileio", None)
+
+
+def test_a_private_store_keeps_its_directories_open_and_a_group_store_does_not(tmp_path) -> None:
+    with FileStore(CONTRACT_SPEC, {"root": tmp_path / "private"}) as private:
+        assert private._dirs.keeps_descriptors
+    with FileStore(CONTRACT_SPEC, {"root": tmp_path / "g", "permissions": "group"}) as group:
+        assert not group._dirs.keeps_descriptors  # others may swap them: walked every time
+
+
+def test_a_store_deleted_and_made_again_by_another_process_is_seen(tmp_path) -> None:
+    """A store that keeps its fan-out descriptors must not keep reading deleted directories."""
+    root = tmp_path / "store"
+    keys = make_keys(3)
+    with HostPool(CONTRACT_SPEC, 3) as pool, FileStore(CONTRACT_SPEC, {"root": root}) as store:
+        nbytes = CONTRACT_SPEC.block_bytes
+        for i in range(3):
+            pool.block(i).copy_(expected_block(keys[i], nbytes))
+        assert store.put_from(keys[:1], [pool.block(0)]) == [True]
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+        with FileStore(CONTRACT_SPEC, {"root": root}) as other:  # made again, written to
+            assert other.put_from(keys[1:2], [pool.block(1)]) == [True]
+        pool.block(2).zero_()
+        assert store.get_into(keys[1:2], [pool.block(2)]) == [True]
+        assert torch.equal(pool.block(2), expected_block(keys[1], nbytes))
+        assert store.exists_prefix(keys[:1]) == 0  # the deleted one is gone for both
+        assert store.put_from(keys[2:], [pool.block(0)]) == [True]
+        with FileStore(CONTRACT_SPEC, {"root": root}) as other:
+            assert other.exists_prefix(keys[2:]) == 1  # written into the new directories
 
 
 @pytest.mark.parametrize("fsync", ["data", "full"])

@@ -12,12 +12,23 @@ and is trusted as given. Only names the store itself creates are ever unlinked
 Modes are set explicitly with ``fchmod`` on what this user owns, whatever the umask: under the
 usual 022 a group store used to get 2750 directories and 0640 files, so other members could
 not write.
+
+Where nobody else can rename or replace anything in the root or in ``objects/`` (both this
+user's, neither group- nor other-writable: every private store), the 256 fan-out descriptors
+are kept open after their first walk instead of walked to on every operation: the walk was four
+of a read's nine system calls, each one a GIL hand-off between I/O threads. A kept descriptor
+is never closed before ``close()`` (another thread may be using it; a closed number is reused
+by the next open); when one turns out removed (``rm -rf`` of the store) every kept one is
+retired and the next operation walks again. Directory listings always walk afresh: a listing
+moves the descriptor's offset, which threads would share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import itertools
 import logging
 import os
 import re
@@ -43,6 +54,12 @@ REPLACE_ATTEMPTS = 3
 
 def fanout_name(i: int) -> str:
     return f"{i:02x}"
+
+
+def _only_mine(fd: int) -> bool:
+    """Can only this user (and root) rename or replace entries of the directory ``fd``?"""
+    st = os.fstat(fd)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def set_mode(fd: int, mode: int) -> None:
@@ -89,14 +106,17 @@ def real_directory(name: str, dir_fd: int, mode: int, check_mode: bool = False) 
 
 class StoreDirs:
     """The root, ``objects/<2 hex>/`` and ``tmp/`` of one store. Thread-safe: every call
-    opens what it needs and closes it; only the root's descriptor is kept (``open``/``close``).
-    """
+    opens what it needs and closes it, except the root's descriptor and, where nobody else can
+    swap them, the fan-out descriptors (kept from ``open`` to ``close``)."""
 
     def __init__(self, root: Path, dir_mode: int) -> None:
         self.root = root
         self.dir_mode = dir_mode
         self.root_fd: int | None = None
-        self._lock = threading.Lock()  # replacing root_fd (the root was removed)
+        self._lock = threading.Lock()  # replacing root_fd (the root was removed), the cache
+        self.keeps_descriptors = False  # set by open(): nobody else can swap our directories
+        self._kept: dict[str, int] = {}
+        self._retired: list[int] = []
 
     def open(self) -> StoreDirs:
         """Create what is missing (root included) and check every directory once. A directory
@@ -111,13 +131,17 @@ class StoreDirs:
             log.warning("file store %s: %s; continuing", self.root, e)
             return self
         try:
+            self.keeps_descriptors = all(_only_mine(fd) for fd in (self.root_fd, objects))
             for i in range(FANOUT_DIRS):
                 try:
                     fd = real_directory(fanout_name(i), objects, self.dir_mode, check_mode=True)
                 except StorageError as e:
                     log.warning("file store %s: %s; continuing", self.root, e)
                     continue
-                os.close(fd)
+                if self.keeps_descriptors:
+                    self._kept[fanout_name(i)] = fd
+                else:
+                    os.close(fd)
         finally:
             os.close(objects)
         return self
@@ -146,22 +170,71 @@ class StoreDirs:
             return real_directory(name, self.root_fd, self.dir_mode)
 
     def close(self) -> None:
+        with self._lock:
+            kept, self._kept = [*self._kept.values(), *self._retired], {}
+            self._retired = []
+        for fd in kept:
+            os.close(fd)
         if self.root_fd is not None:
             os.close(self.root_fd)
             self.root_fd = None
 
     @contextlib.contextmanager
     def fanout(self, name: str) -> Iterator[int]:
-        """The descriptor of ``objects/<name>`` (made again if it went away or was swapped)."""
-        objects = self._below_root(OBJECTS)
+        """The descriptor of ``objects/<name>`` (made again if it went away or was swapped):
+        a kept one where the store keeps them, else one walked to now."""
+        if not self.keeps_descriptors:
+            with self.walked_fanout(name) as fd:
+                yield fd
+            return
+        kept = self._kept.get(name)
+        if kept is not None:
+            yield kept
+            return
+        fd = self._walk_fanout(name)
+        with self._lock:
+            if name in self._kept:  # another thread kept one meanwhile
+                self._retired.append(fd)
+                fd = self._kept[name]
+            else:
+                self._kept[name] = fd
+        yield fd
+
+    def touch(self, fan: str, name: str) -> None:
+        """Bump the mtime of ``objects/<fan>/<name>``: LRU recency, seen by every process
+        sharing the directory; a failure costs only recency."""
         try:
-            fd = real_directory(name, objects, self.dir_mode)
-        finally:
-            os.close(objects)
+            with self.fanout(fan) as fan_fd:
+                os.utime(name, dir_fd=fan_fd, follow_symlinks=False)
+        except (OSError, StorageError):
+            pass
+
+    @contextlib.contextmanager
+    def walked_fanout(self, name: str) -> Iterator[int]:
+        """A descriptor of ``objects/<name>`` walked to now, closed after (listings)."""
+        fd = self._walk_fanout(name)
         try:
             yield fd
         finally:
             os.close(fd)
+
+    def _walk_fanout(self, name: str) -> int:
+        objects = self._below_root(OBJECTS)
+        try:
+            return real_directory(name, objects, self.dir_mode)
+        finally:
+            os.close(objects)
+
+    def removed(self, fd: int) -> bool:
+        """Was the directory ``fd`` (from ``fanout``) removed (the store deleted under us)?
+        Then every kept descriptor is retired, and the next ``fanout`` walks (and makes the
+        directories again). Call after an operation in it failed with ENOENT."""
+        if not self.keeps_descriptors or os.fstat(fd).st_nlink > 0:
+            return False
+        with self._lock:
+            self._retired += self._kept.values()
+            self._kept = {}
+        return True
 
     @contextlib.contextmanager
     def tmp(self) -> Iterator[int]:
@@ -185,7 +258,7 @@ class StoreDirs:
     def scan_fanout(self, name: str) -> list[tuple[int, str, int]]:
         """(mtime_ns, name, size) of every regular object file in ``objects/<name>``."""
         found = []
-        with self.fanout(name) as fd:
+        with self.walked_fanout(name) as fd:
             for entry in os.scandir(fd):
                 if not OBJECT_NAME.fullmatch(entry.name):
                     continue
@@ -205,7 +278,7 @@ class StoreDirs:
         with self.tmp() as tmp_fd:
             removed += self._remove_dead_tmp_in(tmp_fd)
         for i in range(FANOUT_DIRS):
-            with self.fanout(fanout_name(i)) as fd:
+            with self.walked_fanout(fanout_name(i)) as fd:
                 removed += self._remove_dead_tmp_in(fd)
         return removed
 
@@ -223,3 +296,14 @@ class StoreDirs:
             if self.unlink(entry.name, dir_fd):
                 removed.append(entry.name)
         return removed
+
+
+def object_name(key: str) -> tuple[str, str]:
+    """(fan-out directory, file name) of ``key``'s object."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return digest[:2], digest + OBJECT_SUFFIX
+
+
+def tmp_name(counter: itertools.count) -> str:
+    """A temporary file name unique to this process and thread (``TMP_NAME``)."""
+    return f"{os.getpid()}-{threading.get_ident()}-{next(counter)}.tmp"

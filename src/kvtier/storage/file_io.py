@@ -1,8 +1,9 @@
-"""Small helpers of the file store: partial writes, zeroing, liveness, striping over I/O
-threads, warnings said once."""
+"""Small helpers of the file store: one object read or written in one call, partial writes,
+zeroing, liveness, striping over I/O threads, warnings said once."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -10,9 +11,120 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import xxhash
+
+_fileio: Any = None
+try:
+    from kvtier import _fileio  # type: ignore[no-redef]
+except ImportError:  # built without a C compiler: the Python forms below
+    pass
 
 log = logging.getLogger("kvtier.storage.file")
+
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class ReadResult(NamedTuple):
+    err: int  # 0, or the errno of open / fstat / read (then nothing else is set)
+    mode: int  # fstat's st_mode: only a regular file is read
+    size: int
+    mtime_ns: int
+    nread: int  # bytes read into head, body, tail (short: the file ended)
+    body_hash: int | None  # XXH3-64 of the bytes read into body; None: not hashed here
+
+
+def read_object(dir_fd: int, name: str, head, body: Sequence, tail, want_hash: bool) -> ReadResult:
+    """Open ``name`` in ``dir_fd`` (never through a link, never waiting on a FIFO), and if it is
+    a regular file read ``head``, every buffer of ``body``, then ``tail`` from offset 0 until
+    they are full or the file ends; with ``want_hash`` the XXH3-64 of what landed in ``body``
+    (or None: the caller hashes — a CPU without AVX2).
+
+    Natively (``kvtier._fileio``) this is one call without the GIL, the body hashed chunk by
+    chunk as it arrives; the Python form below does the same steps."""
+    if _fileio is not None:
+        return ReadResult(*_fileio.read_object(dir_fd, name, head, body, tail, want_hash))
+    return read_object_py(dir_fd, name, head, body, tail, want_hash)
+
+
+def write_object(
+    dir_fd: int, name: str, file_mode: int, chmod_mode: int, buffers, sync: bool
+) -> int:
+    """Create ``name`` in ``dir_fd`` (O_EXCL, never through a link), ``fchmod`` it to
+    ``chmod_mode`` unless that is negative, write ``buffers`` in order, ``fdatasync`` with
+    ``sync``. Returns 0 or the first errno; a file left after an error is the caller's to
+    remove."""
+    if _fileio is not None:
+        return int(_fileio.write_object(dir_fd, name, file_mode, chmod_mode, list(buffers), sync))
+    return write_object_py(dir_fd, name, file_mode, chmod_mode, buffers, sync)
+
+
+def write_new(dir_fd: int, name: str, mode: int, buffers, sync: bool) -> None:
+    """``write_object`` of a new file of ``mode`` (set explicitly when it grants more than the
+    owner's rw: group stores get 0660 whatever the umask); raises OSError."""
+    err = write_object(dir_fd, name, mode, mode if mode & ~0o600 else -1, buffers, sync)
+    if err:
+        raise OSError(err, os.strerror(err), name)
+
+
+def read_object_py(dir_fd, name, head, body, tail, want_hash) -> ReadResult:
+    try:
+        fd = os.open(name, OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        return ReadResult(e.errno or errno.EIO, 0, 0, 0, 0, None)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ReadResult(0, st.st_mode, st.st_size, st.st_mtime_ns, 0, None)
+        buffers = [b for b in (head, *body, tail) if b is not None]
+        total = sum(memoryview(b).nbytes for b in buffers)
+        nread = 0
+        while nread < total:
+            n = os.preadv(fd, advance(buffers, nread), nread)
+            if n == 0:
+                break
+            nread += n
+    except OSError as e:
+        return ReadResult(e.errno or errno.EIO, 0, 0, 0, 0, None)
+    finally:
+        os.close(fd)
+    digest = None
+    if want_hash:
+        state = xxhash.xxh3_64()
+        left = nread - (memoryview(head).nbytes if head is not None else 0)
+        for view in body:
+            view = memoryview(view).cast("B")
+            state.update(view[: max(0, left)])
+            left -= len(view)
+        digest = state.intdigest()
+    return ReadResult(0, st.st_mode, st.st_size, st.st_mtime_ns, nread, digest)
+
+
+def write_object_py(dir_fd, name, file_mode, chmod_mode, buffers, sync) -> int:
+    try:
+        fd = os.open(name, CREATE_FLAGS, file_mode, dir_fd=dir_fd)
+    except OSError as e:
+        return e.errno or errno.EIO
+    try:
+        if chmod_mode >= 0:
+            os.fchmod(fd, chmod_mode)
+        buffers = list(buffers)
+        written, total = 0, sum(memoryview(b).nbytes for b in buffers)
+        while written < total:
+            n = os.pwritev(fd, buffers, written)
+            if n <= 0:
+                return errno.EIO
+            written += n
+            buffers = advance(buffers, n)
+        if sync:
+            os.fdatasync(fd)
+    except OSError as e:
+        return e.errno or errno.EIO
+    finally:
+        os.close(fd)
+    return 0
 
 
 def zero(views) -> None:

@@ -184,13 +184,27 @@ class ObjectFormat:
             raise ObjectCorrupt(f"key trailer of {fields.key_bytes} bytes does not fit the key")
         return fields
 
-    def check(self, header, payload: Sequence, key: str, payload_length: int) -> None:
+    def check(
+        self,
+        header,
+        payload: Sequence,
+        key: str,
+        payload_length: int,
+        payload_hash: int | None = None,
+        fields: Header | None = None,
+    ) -> None:
         """Raise ObjectCorrupt unless header and payload (a list of buffers, in order) are
-        exactly what was stored under ``key``."""
-        expected = self.parse(header, key, payload_length).checksum
+        exactly what was stored under ``key``. ``payload_hash``: the payload's XXH3-64 when the
+        reader computed it as the bytes arrived (``file_io.read_object``); ``fields``: what
+        ``parse`` returned for this header, if the caller already parsed it."""
+        if fields is None:
+            fields = self.parse(header, key, payload_length)
+        expected = fields.checksum
         if self.mac_key is not None:
             self._check_mac(header, key, payload)
-        if checksum_of(payload) != expected:
+        if payload_hash is None:
+            payload_hash = checksum_of(payload)
+        if payload_hash != expected:
             raise ObjectCorrupt("payload checksum mismatch")
 
     def _check_mac(self, header, key: str, payload: Sequence) -> None:
@@ -198,13 +212,24 @@ class ObjectFormat:
         if not hmac.compare_digest(raw[16:32], self._mac(raw, key, payload)):
             raise ObjectCorrupt("MAC mismatch: not written by a holder of storage.mac_key_file")
 
-    def check_or_defer(self, header, payload, key: str, checksums_out, index: int) -> None:
+    def check_or_defer(
+        self,
+        header,
+        payload,
+        key: str,
+        checksums_out,
+        index: int,
+        payload_hash: int | None = None,
+        fields: Header | None = None,
+    ) -> None:
         """``check`` of a one-buffer payload; or, when ``checksums_out`` is given, the header
         only (and the MAC, which cannot wait) with the payload checksum written to
         ``checksums_out[index]`` for the caller to verify the bytes later."""
+        if fields is None:
+            fields = self.parse(header, key, len(payload))
         if checksums_out is None:
-            self.check(header, [payload], key, len(payload))
+            self.check(header, [payload], key, len(payload), payload_hash, fields)
             return
-        checksums_out[index] = self.parse(header, key, len(payload)).checksum
+        checksums_out[index] = fields.checksum
         if self.mac_key is not None:
             self._check_mac(header, key, [payload])

@@ -1,0 +1,113 @@
+"""One file-store object read or written in one call: the native form (``kvtier._fileio``) and
+the Python form the store uses without it do the same thing, on the same files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+import torch
+import xxhash
+
+from kvtier.storage import file_io
+
+NATIVE = pytest.param(
+    (file_io._fileio.read_object, file_io._fileio.write_object) if file_io._fileio else None,
+    id="native",
+    marks=pytest.mark.skipif(file_io._fileio is None, reason="kvtier._fileio is not built"),
+)
+PYTHON = pytest.param((file_io.read_object_py, file_io.write_object_py), id="python")
+
+
+@pytest.fixture(params=[NATIVE, PYTHON])
+def io(request):
+    read, write = request.param
+    return lambda *a: file_io.ReadResult(*read(*a)), write
+
+
+@pytest.fixture
+def directory(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield tmp_path, fd
+    os.close(fd)
+
+
+def _payload(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def test_an_object_written_reads_back_equal_with_the_hash_of_its_body(io, directory) -> None:
+    read, write = io
+    root, fd = directory
+    body = _payload(3 << 20)  # several read chunks
+    head, tail = os.urandom(64), b"the key"
+    assert write(fd, "obj", 0o600, -1, [head, memoryview(body.numpy()), tail], False) == 0
+    out_head, out_tail = bytearray(64), bytearray(len(tail))
+    out = torch.zeros_like(body)
+    found = read(fd, "obj", out_head, [memoryview(out.numpy())], out_tail, True)
+    assert found.err == 0 and stat.S_ISREG(found.mode)
+    assert found.size == found.nread == 64 + body.numel() + len(tail)
+    assert bytes(out_head) == head and bytes(out_tail) == tail and torch.equal(out, body)
+    assert found.body_hash in (None, xxhash.xxh3_64_intdigest(body.numpy()))
+    assert found.mtime_ns == os.stat(root / "obj").st_mtime_ns
+    assert read(fd, "obj", out_head, [memoryview(out.numpy())], out_tail, False).body_hash is None
+
+
+def test_a_body_in_pieces_hashes_as_the_whole_and_a_short_file_reads_short(io, directory) -> None:
+    read, write = io
+    root, fd = directory
+    body = _payload(1 << 20, 1)
+    assert write(fd, "obj", 0o600, -1, [bytes(64), memoryview(body.numpy())], False) == 0
+    pieces = [bytearray(1000), bytearray((1 << 20) - 1000)]
+    found = read(fd, "obj", bytearray(64), pieces, bytearray(10), True)
+    assert found.nread == 64 + (1 << 20) and b"".join(pieces) == body.numpy().tobytes()
+    assert found.body_hash in (None, xxhash.xxh3_64_intdigest(body.numpy()))
+    os.truncate(root / "obj", 5000)
+    found = read(fd, "obj", bytearray(64), pieces, None, True)
+    assert found.err == 0 and found.size == found.nread == 5000
+
+
+def test_what_is_not_a_regular_file_is_never_followed_or_waited_on(io, directory) -> None:
+    read, write = io
+    root, fd = directory
+    (root / "target").write_bytes(b"x" * 100)
+    os.symlink(root / "target", root / "link")
+    os.mkfifo(root / "fifo")  # a blocking open would hang here
+    (root / "dir").mkdir()
+    buffers = (bytearray(64), [bytearray(36)], None, True)
+    assert read(fd, "link", *buffers).err == errno.ELOOP
+    assert read(fd, "missing", *buffers).err == errno.ENOENT
+    for name in ("fifo", "dir"):
+        found = read(fd, name, *buffers)
+        assert not stat.S_ISREG(found.mode) and found.nread == 0, name
+    assert write(fd, "link", 0o600, -1, [b"y"], False) == errno.EEXIST  # O_EXCL, not through it
+    assert (root / "target").read_bytes() == b"x" * 100
+
+
+def test_a_write_sets_the_mode_asked_whatever_the_umask(io, directory) -> None:
+    _, write = io
+    root, fd = directory
+    old = os.umask(0o077)
+    try:
+        assert write(fd, "group", 0o660, 0o660, [b"abc"], True) == 0
+        assert write(fd, "private", 0o600, -1, [b"abc"], False) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(root / "group").st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(root / "private").st_mode) == 0o600
+    assert write(fd, "private", 0o600, -1, [b"abc"], False) == errno.EEXIST
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    if file_io._fileio is None:
+        pytest.skip("kvtier._fileio is not built")
+    with pytest.raises(BufferError):  # nothing is read into read-only memory
+        file_io._fileio.read_object(0, "x", b"read-only", [], None, False)
+    with pytest.raises(TypeError):
+        file_io._fileio.read_object(0, "x", None, 5, None, False)
+    with pytest.raises(ValueError):
+        file_io._fileio.read_object(0, "x", None, [bytearray(1)] * 5000, None, False)
