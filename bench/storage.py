@@ -6,8 +6,9 @@ the backend; ``load_deferred`` checks headers and leaves the payload check to th
 copy, which hashes while it copies (the worker's load path; see ``kvtier bench copy``).
 
 - file: kvtier's FileStore (header, checksum, temp file + rename, index) against a raw write /
-  read of the same bytes in the same number of files, with the same fsync policy and the same
-  number of I/O threads; loads warm (page cache) and cold (after fsync + POSIX_FADV_DONTNEED).
+  read of the same bytes in the same number of files over as many directories, with the same
+  fsync policy and the same number of I/O threads, each file one native open + write/read +
+  close (no header, no checksum, no rename); loads warm (page cache) and cold (after fsync + POSIX_FADV_DONTNEED).
 - mooncake: kvtier's MooncakeStore (header slot + payload, checksums, verification) against raw
   ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
   pool, through the same client.
@@ -192,6 +193,7 @@ def _bench_file(args, spec, pool, n) -> list[dict]:
         assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
     finally:
         threads.shutdown()
+        raw.close()
         store.close()
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
