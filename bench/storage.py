@@ -8,7 +8,8 @@ copy, which hashes while it copies (the worker's load path; see ``kvtier bench c
 - file: kvtier's FileStore (header, checksum, temp file + rename, index) against a raw write /
   read of the same bytes in the same number of files over as many directories, with the same
   fsync policy and the same number of I/O threads, each file one native open + write/read +
-  close (no header, no checksum, no rename); loads warm (page cache) and cold (after fsync + POSIX_FADV_DONTNEED).
+  close (no header, no checksum, no rename); loads warm (page cache) and cold (after fsync +
+  POSIX_FADV_DONTNEED).
 - mooncake: kvtier's MooncakeStore (header slot + payload, checksums, verification) against raw
   ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
   pool, through the same client.
