@@ -126,6 +126,15 @@ def pytest_terminal_summary(terminalreporter):
 REQUIRED = {p.strip() for p in os.environ.get("KVTIER_TESTS_REQUIRE", "").split(",") if p.strip()}
 
 
+def paths_below(top: Path) -> list[Path]:
+    """Every path below ``top``. Entries removed while it looks (a reaper at work) are skipped,
+    where ``Path.rglob`` raised FileNotFoundError on a directory that vanished mid-walk."""
+    found: list[Path] = []
+    for directory, dirs, files in os.walk(top):  # os.walk ignores what it cannot list
+        found += [Path(directory) / name for name in dirs + files]
+    return found
+
+
 def require_mooncake() -> None:
     """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=mooncake) without Mooncake."""
     from kvtier.errors import StorageError

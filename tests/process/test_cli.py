@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_mooncake
+from conftest import paths_below, require_mooncake
 
 REQUIRED_COPY_KEYS = {
     "block_size",
@@ -49,7 +49,7 @@ def _left_by(instance: str, tmp_path: Path) -> list[str]:
     shm = [p.name for p in Path("/dev/shm").iterdir() if instance in p.name]
     files = [
         str(p.relative_to(tmp_path))
-        for p in tmp_path.rglob("*")
+        for p in paths_below(tmp_path)
         if not p.is_dir() or p.name.startswith(("kvtier-launch-", "kvtier-demo-"))
     ]
     return shm + files

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_mooncake
+from conftest import paths_below, require_mooncake
 from kvtier import tasks as t
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
@@ -62,7 +62,7 @@ def _find_process(*words: str) -> int | None:
 
 def _leftovers(instance: str, tmpdir: Path) -> list[str]:
     shm = [p.name for p in SHM_DIR.iterdir() if instance in p.name]
-    tmp = [str(p.relative_to(tmpdir)) for p in tmpdir.rglob("*") if instance in p.name]
+    tmp = [str(p.relative_to(tmpdir)) for p in paths_below(tmpdir) if instance in p.name]
     return shm + tmp
 
 
@@ -253,7 +253,7 @@ def _nothing_left(tmp_path: Path, instance: str) -> None:
     assert not shm_left, f"left in /dev/shm: {shm_left}"
     left = [
         str(p.relative_to(tmp_path))
-        for p in tmp_path.rglob("*")
+        for p in paths_below(tmp_path)
         if not p.is_dir() or p.name.startswith(("kvtier-launch-", "kvtier-demo-"))
     ]
     assert not left, f"left behind: {left}"
