@@ -68,3 +68,29 @@ def store_round_trip(
         ]
         results.put((put_ok, seen))
         done.wait(120)
+
+
+def client_through_a_stall(endpoints: list[str], ready, go, results) -> None:
+    """A client that is stopped (SIGSTOP by the test) between two tasks: ``results`` gets the
+    second task's status, or its error, and every 'lost' line this client logged."""
+    import logging
+
+    from kvtier import tasks as t
+    from kvtier.client import Client
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("kvtier").addHandler(Keep())
+    with Client.connect(endpoints, worker_timeout_s=1.0, heartbeat_interval_s=0.1) as client:
+        assert client.swap_out([1], [0]).status is t.Status.OK
+        ready.set()
+        go.wait(120)
+        try:
+            outcome = client.swap_out([2], [1]).status.value
+        except Exception as e:  # reported to the test, which names it
+            outcome = f"{type(e).__name__}: {e}"
+    results.put((outcome, [line for line in lines if "lost" in line]))

@@ -7,6 +7,12 @@ the status the worst. It fails with ``WorkerLost`` when a rank is lost (its proc
 heartbeats stop for ``worker_timeout_s``, its peer fails to authenticate: ``Rank.check``), and
 with ``TaskTimeout`` at its deadline — never a hang. The ``ready`` condition is notified when a
 rank is welcomed or lost (``Client.start`` waits on it).
+
+A busy machine stalls processes for seconds. Silence is counted only while this thread runs
+(after a stall of its own, every rank gets a fresh ``worker_timeout_s``), and a rank lost by
+silence alone is sent hellos again: when the same worker process answers, it is restored and
+takes tasks again (the tasks failed meanwhile were recomputed by the engine). A rank whose
+process exited, or whose peer failed to authenticate, stays lost.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.05
 HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
+# This thread not running for longer than this (a stalled process) is a stall of its own: the
+# workers' silence meanwhile is not held against them. Turns are POLL_INTERVAL_S apart.
+STALL_S = 1.0
 
 
 @dataclass
@@ -127,13 +136,17 @@ class Supervisor:
         self.transport.wake()
 
     def _loop(self) -> None:
-        next_beat = time.monotonic()
+        next_beat = last_turn = time.monotonic()
         while not self._stop.is_set():
             received = self.transport.receive(POLL_INTERVAL_S)
             self._flush_outbox()
             for position, payload in received:
                 self._receive(self.ranks[position], payload)
             now = time.monotonic()
+            if now - last_turn > STALL_S:
+                self._stalled(now, now - last_turn)
+                next_beat = now
+            last_turn = now
             if now >= next_beat:
                 beat = t.encode(t.Heartbeat(sent_at=time.time()))
                 for r in self.ranks:
@@ -143,9 +156,21 @@ class Supervisor:
             self._say_hello(now)
             self._check_health(now)
 
-    def _say_hello(self, now: float) -> None:
+    def _stalled(self, now: float, seconds: float) -> None:
+        """This thread did not run for ``seconds``: nothing was sent, so nothing was answered."""
+        log.warning(
+            "client: this process's kvtier I/O thread did not run for %.1f s (an overloaded "
+            "machine?): the workers' silence meanwhile is not counted",
+            seconds,
+        )
         for r in self.ranks:
-            if not r.welcomed and not r.lost and now - r.last_hello >= HELLO_RESEND_S:
+            r.last_heard = max(r.last_heard, now)
+
+    def _say_hello(self, now: float) -> None:
+        """Until welcomed; and to a rank lost by silence alone, until it answers again."""
+        for r in self.ranks:
+            waiting = not r.welcomed and not r.lost
+            if (waiting or (r.lost and r.recoverable)) and now - r.last_hello >= HELLO_RESEND_S:
                 self.transport.send(r.position, self._hello)
                 r.last_hello = now
 
@@ -169,9 +194,14 @@ class Supervisor:
         if isinstance(message, t.Result):
             self._on_result(r, message)
         elif isinstance(message, t.Welcome):
+            if r.lost:
+                if message.accepted and r.may_come_back(message.pid):
+                    self._restore(r)
+                return
             with self.ready:
                 if message.accepted:
                     r.welcomed = True
+                    r.pid = r.pid or message.pid
                 else:
                     r.lost, r.lost_error = message.message, ProtocolMismatch
                 self.ready.notify_all()
@@ -218,15 +248,19 @@ class Supervisor:
                 )
             )
 
-    def _lose(self, r: Rank, why: str, error: type[WorkerError] = WorkerError) -> None:
+    def _lose(
+        self, r: Rank, why: str, error: type[WorkerError] = WorkerError, recoverable: bool = False
+    ) -> None:
         """Mark a rank lost and fail every task that waits for it (also while closing)."""
         with self.ready:
             r.lost, r.lost_error = why, error
+            r.recoverable, r.lost_at = recoverable, time.monotonic()
             self.ready.notify_all()
         if not r.welcomed:
             return  # start() reports it, with the worker's log
         if not self.closing:
-            log.error("client: rank %d lost: %s", r.position, why)
+            again = " (it is taken back if it answers again)" if recoverable else ""
+            log.error("client: rank %d lost: %s%s", r.position, why, again)
         with self._lock:
             failed = [
                 p for p in self._pending.values() if r.position in (p.expected or [r.position])
@@ -238,4 +272,17 @@ class Supervisor:
                 WorkerLost(
                     f"rank {r.position}: {why} (task {p.task.task_id} {t.task_name(p.task)})"
                 )
+            )
+
+    def _restore(self, r: Rank) -> None:
+        """A rank lost by silence answered a hello again from the same process: it takes
+        tasks again (those sent while it was lost have failed already)."""
+        now = time.monotonic()
+        with self.ready:
+            r.lost, r.lost_error, r.recoverable = "", WorkerError, False
+            r.last_heard = now
+            self.ready.notify_all()
+        if not self.closing:
+            log.warning(
+                "client: rank %d answers again after %.1f s: restored", r.position, now - r.lost_at
             )

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_ENGINE_LOST = 3
 POLL_INTERVAL_S = 0.1
+STALL_S = 2.0  # the loop not running this long: a stall of this process, logged
 FLUSH_TIMEOUT_S = 2.0
 
 
@@ -163,10 +164,22 @@ class Worker:
     def _loop(self) -> None:
         self.runner.loop_ident = threading.get_ident()
         try:
+            last_turn = time.monotonic()
             while not self._stop.is_set():
                 for peer, payload in self.transport.receive(POLL_INTERVAL_S):
                     self._handle(peer, payload)
                     self.runner.run_inline()
+                now = time.monotonic()
+                if now - last_turn > STALL_S:
+                    # Stalled itself (an overloaded machine): what the engine sent meanwhile was
+                    # just read; its silence while this thread could not listen is not counted.
+                    log.warning(
+                        "rank %d: the worker's loop did not run for %.1f s",
+                        self.rank,
+                        now - last_turn,
+                    )
+                    self._last_heard = max(self._last_heard, now)
+                last_turn = now
                 why = self._engine_gone()
                 if why:
                     log.error("rank %d: %s: exiting", self.rank, why)

@@ -10,6 +10,7 @@ restarted, the storage node killed — every request still completes, with the s
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -107,9 +108,9 @@ def _answers_within_bound(server: Server, prompt: list[int], want: list[int]) ->
 def _hits_come_back(cluster, seed: int) -> None:
     """A's new saves are hit by B again (with A's tokens) within the bound."""
     a, b = cluster["a"], cluster["b"]
-    again = [(seed * j) % 900 + 50 for j in range(700)]
     deadline = time.monotonic() + FAULT_BOUND_S
-    while True:
+    for attempt in itertools.count():
+        again = [(seed * j + attempt) % 900 + 50 for j in range(700)]  # inside the vocabulary
         a.reset_prefix_cache()
         want = a.complete(again)
         time.sleep(1)
@@ -117,8 +118,19 @@ def _hits_come_back(cluster, seed: int) -> None:
         assert tokens == want
         if loaded > 0:
             return
-        assert time.monotonic() < deadline, "no hit came back after the fault"
-        again = [t + 1 for t in again]
+        assert time.monotonic() < deadline, f"no hit came back after the fault\n{_logs(a, b)}"
+
+
+def _logs(*servers: Server) -> str:
+    """The end of each engine's kvtier worker logs and kvtier's lines in its server log."""
+    out = []
+    for server in servers:
+        for log in sorted(server.tmpdir.glob("kvtier-launch-*/rank*.log")):
+            out.append(f"--- {log}\n{log.read_text(errors='replace')[-1500:]}")
+        lines = server.log_path.read_text(errors="replace").splitlines()
+        out.append(f"--- {server.log_path}: kvtier lines")
+        out += [line for line in lines if "kvtier" in line and "non-default args" not in line][-15:]
+    return "\n".join(out)
 
 
 def test_engine_b_hits_what_engine_a_computed(cluster) -> None:

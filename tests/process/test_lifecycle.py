@@ -20,7 +20,7 @@ from conftest import paths_below, require_mooncake
 from kvtier import tasks as t
 from kvtier.client import Client
 from kvtier.device import DeviceCache, cache_name
-from kvtier.errors import ConfigError, WorkerError
+from kvtier.errors import ConfigError, WorkerError, WorkerLost
 from kvtier.launcher import start_workers, worker_configs
 from kvtier.shm import SHM_DIR
 from worker_helpers import FAST, WSPEC
@@ -99,6 +99,73 @@ def test_a_worker_that_needs_10_s_before_its_hello_is_not_declared_dead(tmp_path
         figures["start_s"] = started[0] - begin
     finally:
         client.close()
+        launch.remove_directory()
+
+
+def _stall_worker(tmp_path):
+    instance = _instance()
+    configs = worker_configs(
+        WSPEC, 1, {"backend": "memory"}, instance, None, {"device_cache_mode": "create"}
+    )
+    return start_workers(configs, tmp_path)
+
+
+def test_a_worker_stalled_past_worker_timeout_is_taken_back_when_it_answers(tmp_path, figures):
+    """A worker that stops answering for longer than worker_timeout_s is lost — its tasks fail
+    with WorkerLost, the engine recomputes — but it is the same process, and once it answers a
+    hello again it takes tasks again: a few seconds of starvation on a busy machine must not
+    switch kvtier off for the rest of the engine's life."""
+    launch = _stall_worker(tmp_path)
+    (worker,) = launch.processes
+    client = Client(
+        launch.endpoints, processes=launch.processes, worker_timeout_s=1.0, heartbeat_interval_s=0.1
+    )
+    try:
+        client.start(start_timeout_s=60)
+        assert client.swap_out([1], [0]).status is t.Status.OK
+        os.kill(worker.pid, signal.SIGSTOP)  # starved
+        with pytest.raises(WorkerLost):
+            client.submit(t.SwapOut(device_block_ids=[2], host_block_ids=[1])).result(60)
+        os.kill(worker.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        while True:
+            try:
+                assert client.swap_out([3], [2]).status is t.Status.OK
+                break
+            except WorkerLost:
+                assert time.monotonic() - resumed < 60, "the worker was never taken back"
+                time.sleep(0.1)
+        figures["taken_back_after_s"] = time.monotonic() - resumed
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        client.close()
+        launch.remove_directory()
+
+
+def test_a_stalled_client_does_not_hold_the_workers_silence_against_them(tmp_path) -> None:
+    """The engine's process stopped for 3 s (worker_timeout_s is 1 s): it sent no heartbeats,
+    so none were answered. On waking it must not declare its healthy worker lost."""
+    import multiprocessing
+
+    from procs import client_through_a_stall
+
+    launch = _stall_worker(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=client_through_a_stall, args=(launch.endpoints, ready, go, results))
+    child.start()
+    try:
+        assert ready.wait(120), "the client did not start"
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # the scenario: the engine's process does not run for 3 s
+        os.kill(child.pid, signal.SIGCONT)
+        go.set()
+        outcome, lost = results.get(timeout=120)
+        assert (outcome, lost) == ("ok", [])
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.join(30)
+        launch.kill()
         launch.remove_directory()
 
 
