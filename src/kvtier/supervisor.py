@@ -157,8 +157,10 @@ class Supervisor:
             self._check_health(now)
 
     def _stalled(self, now: float, seconds: float) -> None:
-        """This thread did not run for ``seconds``: nothing was sent, so nothing was answered."""
-        log.warning(
+        """This thread did not run for ``seconds``: nothing was sent, so nothing was answered.
+        Said at WARNING only when the silence would have lost a rank."""
+        log.log(
+            logging.WARNING if seconds > self._worker_timeout_s else logging.DEBUG,
             "client: this process's kvtier I/O thread did not run for %.1f s (an overloaded "
             "machine?): the workers' silence meanwhile is not counted",
             seconds,

@@ -35,6 +35,7 @@ from kvtier.connect import server_transport
 from kvtier.control_plane import Answer, ControlPlane
 from kvtier.cpus import run_on
 from kvtier.endpoint import EndpointClaim
+from kvtier.engine_watch import EngineWatch
 from kvtier.gate import Gate, Refusal, WorkerState
 from kvtier.peers import PeerTable
 from kvtier.resources import RankResources
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_ENGINE_LOST = 3
 POLL_INTERVAL_S = 0.1
-STALL_S = 2.0  # the loop not running this long: a stall of this process, logged
 FLUSH_TIMEOUT_S = 2.0
 
 
@@ -61,8 +61,7 @@ class Worker:
         self.metrics: Any = None
         self._stop = threading.Event()
         self._shutdown_request: tuple[Peer, int] | None = None
-        self._last_heard = time.monotonic()
-        self._greeted = False  # an engine's hello was accepted: silence counts from then
+        self.watch = EngineWatch(config)
         self.peers = PeerTable(self.rank)
         self._thread: threading.Thread | None = None
         self._started = False
@@ -109,7 +108,7 @@ class Worker:
             self._release()
             raise
         self._started = True
-        self._last_heard = time.monotonic()
+        self.watch.restart()
         log.info(
             "rank %d: serving %s (device cache %s, %d host blocks); storage %s; namespace %s, "
             "weight version %r",
@@ -164,47 +163,17 @@ class Worker:
     def _loop(self) -> None:
         self.runner.loop_ident = threading.get_ident()
         try:
-            last_turn = time.monotonic()
             while not self._stop.is_set():
                 for peer, payload in self.transport.receive(POLL_INTERVAL_S):
                     self._handle(peer, payload)
                     self.runner.run_inline()
-                now = time.monotonic()
-                if now - last_turn > STALL_S:
-                    # Stalled itself (an overloaded machine): what the engine sent meanwhile was
-                    # just read; its silence while this thread could not listen is not counted.
-                    log.warning(
-                        "rank %d: the worker's loop did not run for %.1f s",
-                        self.rank,
-                        now - last_turn,
-                    )
-                    self._last_heard = max(self._last_heard, now)
-                last_turn = now
-                why = self._engine_gone()
+                why = self.watch.gone()
                 if why:
                     log.error("rank %d: %s: exiting", self.rank, why)
                     self.exit_code = EXIT_ENGINE_LOST
                     break
         finally:
             self._shutdown()
-
-    def _engine_gone(self) -> str:
-        silent = time.monotonic() - self._last_heard
-        if not self._greeted:  # still starting: the engine may take long to say hello
-            if silent > self.config.start_timeout_s:
-                return (
-                    f"no engine said hello within {silent:.1f} s of serving "
-                    f"(start_timeout_s={self.config.start_timeout_s:.1f})"
-                )
-        elif silent > self.config.engine_timeout_s:
-            return (
-                f"nothing from the engine for {silent:.1f} s "
-                f"(engine_timeout_s={self.config.engine_timeout_s:.1f})"
-            )
-        parent = self.config.parent_pid
-        if parent is not None and os.getppid() != parent:
-            return f"the engine process {parent} that launched this worker is gone"
-        return ""
 
     def _handle(self, peer: Peer, payload: bytes) -> None:
         try:
@@ -221,7 +190,7 @@ class Worker:
         if self.peers.observer(peer):
             self._observe(peer, message)
             return
-        self._last_heard = time.monotonic()
+        self.watch.heard()
         if isinstance(message, t.DATA_TASKS):
             item = (peer, message, self.resources.keys)  # stamped with the version in force now
             refusal = self.gate.admit(item, self.runner.submit)
@@ -281,8 +250,7 @@ class Worker:
     def _hello(self, peer: Peer, hello: t.Hello) -> None:
         accepted, message = self.peers.hello(peer, hello)
         if accepted and not hello.observer:
-            self._last_heard = time.monotonic()
-            self._greeted = True
+            self.watch.heard(hello=True)
         welcome = t.Welcome(
             protocol_version=t.PROTOCOL_VERSION,
             rank=self.rank,
