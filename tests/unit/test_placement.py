@@ -24,9 +24,23 @@ def test_the_reserved_core_of_this_ranks_node_is_chosen() -> None:
 
 
 def test_other_ranks_compute_cores_are_never_chosen() -> None:
+    # Auto binding of TP=2 on one node: rank 0 computes on 0-5, rank 1 on 6-11 (vLLM keeps its
+    # reserved cores out of both lists, and knows them).
+    placed = choose(ALL16, frozenset(range(6)), frozenset(range(6, 12)), [ALL16])
+    assert placed.cores == set(range(12, 16)) and placed.reserved
+
+
+def test_an_explicit_binding_keeps_the_worker_on_this_ranks_cores() -> None:
+    """VLLM_CPU_OMP_THREADS_BIND listed: vLLM reserved nothing, and the cores outside the lists
+    may be another server's (a prefill and a decode instance on one host: each kvtier worker on
+    the other's spinning compute core waited ~1 s for the CPU on every request)."""
     bind = {"VLLM_CPU_OMP_THREADS_BIND": "0-2|3-5"}
-    placed = choose(ALL16, frozenset({0, 1, 2}), bound_elsewhere(bind), [ALL16])
-    assert placed.cores == set(range(6, 16))
+    placed = choose(ALL16, frozenset({0, 1, 2}), bound_elsewhere(bind), [ALL16], explicit=True)
+    assert placed.cores == {0, 1, 2} and not placed.reserved
+    assert "worker_cores" in placed.note
+    consumer = {"VLLM_CPU_OMP_THREADS_BIND": "1"}  # the producer is bound to core 0
+    placed = choose(frozenset({0, 1}), frozenset({1}), bound_elsewhere(consumer), [], True)
+    assert placed.cores == {1}
 
 
 def test_no_reserved_core_shares_all_and_says_how_to_reserve_one() -> None:

@@ -28,7 +28,8 @@ class ConnectorSettings:
     - ``save_generated``: save full blocks of generated tokens too (default True: a chat's
       next turn, its prompt = the earlier turns + the answer + a new message, hits the answer).
     - ``worker_cores``: where each rank's kvtier worker runs: ``reserved`` (default: the cores
-      vLLM keeps free of compute, see ``kvtier.vllm.placement``), ``inherit`` (the vLLM
+      vLLM keeps free of compute; with an explicit ``VLLM_CPU_OMP_THREADS_BIND``, which reserves
+      none, this rank's own cores — see ``kvtier.vllm.placement``), ``inherit`` (the vLLM
       worker's own affinity, its first compute core) or a CPU list (``"3"``, ``"2-3"``).
     - ``staging_blocks``: blocks per storage step in each worker (default 16).
     - ``start_timeout_s``, ``task_timeout_s``: worker start and per-task bounds.
