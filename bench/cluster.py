@@ -10,8 +10,11 @@ objects live on the node), all with one MAC key. Three measures, each round with
 (b) **Prefill/decode.** A producer and a consumer (``kv_producer`` / ``kv_consumer``), each on
     half the cores, against one instance without a connector on all of them. Per prompt the
     producer computes it (``max_tokens`` 1) and the consumer answers: the consumer's TTFT is a
-    load; the single instance's is a prefill. Then a set through ``kvtier pd-proxy`` with
-    several in flight: end-to-end TTFT and requests/s. Completions must equal the single one's.
+    load; the single instance's is a prefill, timed while the P/D servers idle (a vLLM worker
+    spin-waits on its cores for a second after each step: timed right after them, the single
+    instance paid for their spin, 1.16 s instead of ~0.5 s). Then a set through ``kvtier
+    pd-proxy`` with several in flight: end-to-end TTFT and requests/s. Completions must equal the
+    single one's.
 (c) **Load bandwidth.** B's loads in (a) (bytes over the workers' load time) beside Mooncake's
     own ``batch_get_into`` of the same number of objects of the same size from the same node.
 
@@ -42,6 +45,9 @@ from kvtier_bench.vllm_server import Server
 
 BLOCK = 128  # vLLM's block size on CPU: what a hit can cover
 SAVE_SETTLE_S = 1.0  # A's saves are answered off its critical path; B looks them up next
+# vLLM's workers spin-wait on their cores for a second after every step (shm_broadcast's
+# busy_loop_s): a server timed right after another one ran on shared cores pays for its spin.
+SPIN_SETTLE_S = 1.5
 COLUMNS = [
     ("part", "", "s"),
     ("measure", "measure", "s"),
@@ -170,21 +176,27 @@ def pd_round(args, producer: Server, consumer: Server, single: Server, proxy, r:
     one_by_one, through = sessions(300 + r, args), sessions(400 + r, args)
     for s in (producer, consumer, single):
         s.reset_prefix_cache()
-    single_ttft, consumer_ttft, prefill, end_to_end, identical = [], [], [], [], True
-    for session in one_by_one:
+    # The single instance shares the P/D servers' cores: each side is timed while the other
+    # is idle (not spinning), the single instance first.
+    time.sleep(SPIN_SETTLE_S)
+    alone = [
+        load.stream(single, s.turns[0], args.output_tokens, s.group, False) for s in one_by_one
+    ]
+    time.sleep(SPIN_SETTLE_S)
+    consumer_ttft, prefill, end_to_end, identical = [], [], [], True
+    for session, single_record in zip(one_by_one, alone):
         prompt = session.turns[0]
-        alone = load.stream(single, prompt, args.output_tokens, session.group, False)
         p = load.stream(producer, prompt, 1, session.group, False)
         c = load.stream(consumer, prompt, args.output_tokens, session.group, False)
-        single_ttft.append(alone.ttft_s)
         consumer_ttft.append(c.ttft_s)
         prefill.append(p.end - p.start)
         end_to_end.append(p.end - p.start + c.ttft_s)
-        identical &= c.tokens == alone.tokens
-    both = {
-        "single": measured(single, through, args.concurrency, args.output_tokens),
-        "proxy": measured(proxy, through, args.concurrency, args.output_tokens),
-    }
+        identical &= c.tokens == single_record.tokens
+    single_ttft = [r.ttft_s for r in alone]
+    time.sleep(SPIN_SETTLE_S)
+    both = {"single": measured(single, through, args.concurrency, args.output_tokens)}
+    time.sleep(SPIN_SETTLE_S)
+    both["proxy"] = measured(proxy, through, args.concurrency, args.output_tokens)
     return {
         "single_ttft_p50_s": statistics.median(single_ttft),
         "consumer_ttft_p50_s": statistics.median(consumer_ttft),
