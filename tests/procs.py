@@ -85,7 +85,7 @@ def client_through_a_stall(endpoints: list[str], ready, go, results) -> None:
             lines.append(record.getMessage())
 
     logging.getLogger("kvtier").addHandler(Keep())
-    with Client.connect(endpoints, worker_timeout_s=1.0, heartbeat_interval_s=0.1) as client:
+    with Client.connect(endpoints, worker_timeout_s=2.5, heartbeat_interval_s=0.1) as client:
         assert client.swap_out([1], [0]).status is t.Status.OK
         ready.set()
         go.wait(120)
