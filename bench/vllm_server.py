@@ -198,6 +198,17 @@ class Server:
                 continue
         return out
 
+    def kvtier_stats(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Each rank's kvtier worker stats, asked as ``kvtier status`` does (an observer that
+        keeps no worker alive). The workers count a save when they answer it; vLLM's metrics
+        take a saver's counts only at its next step (an idle engine takes none)."""
+        from kvtier.client import Client
+        from kvtier.status import collect
+
+        endpoints = sorted(f"ipc://{p}" for p in self.tmpdir.glob("kvtier-*/*-rank*.sock"))
+        with Client.connect(endpoints, start_timeout_s=timeout_s, observer=True) as client:
+            return collect(client, timeout_s)
+
     def stop(self, how: str = "group", sig: int = signal.SIGINT) -> float:
         """Signal the group (a terminal's Ctrl-C) or the API server alone (a service manager);
         seconds until every process it started — kvtier's included — is gone."""

@@ -84,6 +84,38 @@ def cluster(model, tmp_path_factory):
                 process.wait(30)
 
 
+SAVES_BOUND_S = 180.0  # a saver's blocks stored, on a machine at load 10-40
+
+
+def _saves(stats: list[dict]) -> tuple[int, int]:
+    """(blocks stored or found stored, save tasks answered), every rank."""
+    saves = [rank.get("tasks", {}).get("save", {}) for rank in stats]
+    blocks = sum(s.get("blocks_written", 0) + s.get("blocks_skipped", 0) for s in saves)
+    return blocks, sum(s.get("tasks", 0) for s in saves)
+
+
+def _busy(stats: list[dict]) -> int:
+    """Tasks the workers hold, run or queue, every rank."""
+    return sum(r["in_flight"] + r["held"] + sum(r["queue_depths"].values()) for r in stats)
+
+
+def _saved(server: Server, blocks: int, before: list[dict]) -> bool:
+    """Wait until ``server``'s saves since ``before`` (its workers' stats then) are answered —
+    they are off its critical path, and on a loaded machine land seconds after its answer: True
+    once ``blocks`` more blocks are stored, False once a save was answered and the workers are
+    idle without them (a save failed: a fault), or after SAVES_BOUND_S."""
+    stored, answered = _saves(before)
+    deadline = time.monotonic() + SAVES_BOUND_S
+    while True:
+        stats = server.kvtier_stats()
+        now_stored, now_answered = _saves(stats)
+        if now_stored >= stored + blocks:
+            return True
+        if (now_answered > answered and _busy(stats) == 0) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 def _moved(server: Server, before: dict) -> dict:
     after = server.metrics()
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -116,8 +148,9 @@ def _hits_come_back(cluster, seed: int) -> float:
     for attempt in itertools.count():
         again = [(seed * j + attempt) % 900 + 50 for j in range(700)]  # inside the vocabulary
         a.reset_prefix_cache()
+        before = a.kvtier_stats()
         want = a.complete(again)
-        time.sleep(1)
+        _saved(a, (len(again) - 1) // BLOCK, before)  # or failed: try again
         tokens, loaded = _loaded(b, again)
         assert tokens == want
         if loaded > 0:
@@ -141,12 +174,13 @@ def _logs(*servers: Server) -> str:
 
 def test_engine_b_hits_what_engine_a_computed(cluster) -> None:
     a, b = cluster["a"], cluster["b"]
+    saves_before = a.kvtier_stats()
     reference = [a.complete(p) for p in PROMPTS]  # misses: vLLM computed these, kvtier saved
-    time.sleep(1)  # A's saves are answered off the critical path; B looks them up next
+    full = sum((len(p) - 1) // BLOCK for p in PROMPTS)  # blocks a hit can cover
+    assert _saved(a, full, saves_before)  # A's saves land off its critical path; B looks next
     before = b.metrics()
     assert [b.complete(p) for p in PROMPTS] == reference
     moved = _moved(b, before)
-    full = sum((len(p) - 1) // BLOCK for p in PROMPTS)  # blocks a hit can cover
     assert moved["vllm:kvtier_loaded_tokens_total"] >= 0.9 * full * BLOCK
     assert moved["vllm:kvtier_failed_tokens_total"] == 0
 
@@ -155,13 +189,16 @@ def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster) ->
     """Objects are per layout and rank: C (TP=2) finds none of A's (TP=1), A none of C's; each
     hits its own, with the tokens it computed."""
     a, c = cluster["a"], cluster["c"]
+    blocks = (len(PROMPTS[0]) - 1) // BLOCK
+    before = c.kvtier_stats()
     first, loaded = _loaded(c, PROMPTS[0])  # A saved this prompt in the first test
     assert loaded == 0
-    time.sleep(1)
-    assert _loaded(c, PROMPTS[0]) == (first, 2 * ((len(PROMPTS[0]) - 1) // BLOCK) * BLOCK)
+    assert _saved(c, 2 * blocks, before)  # both ranks' objects
+    assert _loaded(c, PROMPTS[0]) == (first, 2 * blocks * BLOCK)
     only_c = [(23 * j) % 900 + 30 for j in range(700)]
+    before = c.kvtier_stats()
     c_tokens = c.complete(only_c)
-    time.sleep(1)
+    assert _saved(c, 2 * blocks, before)  # A's miss below is no race with C's saves
     a_tokens, loaded = _loaded(a, only_c)
     assert loaded == 0
     assert _loaded(a, only_c)[0] == a_tokens  # a hit of A's own saves: A's tokens
@@ -207,8 +244,9 @@ def test_a_restarted_master_costs_recomputes_then_hits_return(cluster, figures) 
 def test_a_dead_storage_node_costs_recomputes_never_wrong_tokens_or_hangs(cluster, figures) -> None:
     a, b = cluster["a"], cluster["b"]
     fresh = [(11 * j) % 900 + 40 for j in range(700)]
-    a.complete(fresh)  # saved to the node
-    time.sleep(1)
+    before = a.kvtier_stats()
+    a.complete(fresh)
+    assert _saved(a, (len(fresh) - 1) // BLOCK, before)  # on the node
     node = cluster["roles"][1]
     node.kill()  # the storage node and its Mooncake process
     node.wait(30)
