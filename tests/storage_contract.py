@@ -199,6 +199,9 @@ class StoreContract:
         assert self.get(store, pool, keys) == [True, False, True]
         assert store.stats.corrupt == corrupt_before + 1
         assert store.exists_prefix(keys) == 1  # removed: detected once, never served
+        # A load that stopped there asks (and drops what it did not verify after it).
+        assert store.found_corrupt(keys[1]) and not store.found_corrupt(keys[1])
+        assert not store.found_corrupt(keys[0])
 
     header_checked_on_exists = True  # Mooncake answers existence from its master alone
 
@@ -323,7 +326,7 @@ class StoreContract:
         assert int(sums[1]) != actual[1]  # damaged payload: the caller's check fails
         corrupt = store.stats.corrupt
         store.report_corrupt(keys[1], "payload checksum mismatch in the copy")
-        assert store.stats.corrupt == corrupt + 1
+        assert store.stats.corrupt == corrupt + 1 and store.found_corrupt(keys[1])
         assert store.exists_prefix(keys[1:2]) == 0
         with pytest.raises(StorageError, match="3 keys but 2 checksums"):
             store.get_into(keys, targets, checksums_out=sums[:2])

@@ -179,6 +179,7 @@ class DataPath:
                 moved += int(good.sum()) * self.host_pool.block_bytes
                 if verified < chunk.stop - chunk.start:
                     break
+            self._drop_unverified_after_corrupt(storage_keys, done)
         except StorageUnavailable as e:
             return Outcome(
                 Status.ERROR,
@@ -187,6 +188,20 @@ class DataPath:
                 message=f"storage unavailable: {e}",
             )
         return _prefix_outcome(task.device_block_ids, done, moved, "loaded")
+
+    def _drop_unverified_after_corrupt(self, storage_keys: list[str], done: int) -> None:
+        """A load that stopped at a bad object removes the objects after it: they were not
+        verified, and a save keeps a stored object whose header is sound — without this the
+        caller's save of the recomputed blocks would leave them, and each later load would
+        find the next bad one (a prefix repaired one block per run)."""
+        if done < len(storage_keys) and self.storage.found_corrupt(storage_keys[done]):
+            removed = self.storage.delete(storage_keys[done + 1 :])
+            if removed:
+                log.warning(
+                    "load stopped at a corrupt object: removed the %d unverified objects after "
+                    "it (they are saved again when recomputed)",
+                    removed,
+                )
 
     def _save_host(self, task: SaveHost, keys: KeyScheme) -> Outcome:
         self._same_length(task.block_hashes, task.host_block_ids, "host_block_ids")
@@ -208,10 +223,11 @@ class DataPath:
         try:
             available = self.storage.exists_prefix(storage_keys)
             ok = self._get_host(storage_keys[:available], host[:available])
+            loaded = leading_true(ok)
+            self._drop_unverified_after_corrupt(storage_keys, loaded)
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         self.host_pool.forget_checksums(host)
-        loaded = leading_true(ok)
         return _prefix_outcome(
             task.host_block_ids, loaded, sum(ok) * self.host_pool.block_bytes, "loaded"
         )

@@ -26,6 +26,7 @@ from kvtier.gate import Gate, Refusal, WorkerState
 from kvtier.host import HostLayout, HostPool
 from kvtier.keys import KeyScheme, block_hashes
 from kvtier.resources import RankResources
+from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory import MemoryStore
 from kvtier.transport_local import LocalClient
 from worker_helpers import WSPEC, block, local_worker, same
@@ -126,6 +127,34 @@ def test_datapath_saves_and_loads_real_bytes_on_either_route(datapath) -> None:
     hole = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
     assert hole.status is t.Status.PARTIAL and hole.blocks == [20, 21]
     assert all(same(block(cache, 22 + i), before[2 + i]) for i in range(3))
+
+
+def test_a_prefix_with_bad_objects_is_whole_after_one_save_on_either_route(datapath) -> None:
+    """Payload bit rot in every object but the first (headers sound): the load stops at the
+    first bad one and drops the unverified ones after it, so the caller's save of the
+    recomputed blocks writes them all again and the next load gets the whole prefix. (A put
+    keeps a stored object whose header is sound: before, a save repaired one block per run —
+    vLLM's restarted engine found the next bad block each time.)"""
+    path, cache, keys = datapath
+    h = hashes(5, seed=3)
+    want = [block(cache, b) for b in range(5)]
+    path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+    for key in keys.keys(h[1:]):
+        data = bytearray(path.storage.read_object(key))
+        data[HEADER_BYTES] ^= 0x01  # the payload's first byte
+        path.storage.write_object(key, bytes(data))
+    bad = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
+    assert bad.blocks == [20] and path.storage.stats.corrupt == 1
+    assert path.storage.exists_prefix(keys.keys(h)) == 1  # the unverified ones are gone too
+    resaved = path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+    assert resaved.blocks == [0, 1, 2, 3, 4] and resaved.count == 1  # the first was sound
+    whole = path.run(t.Load(block_hashes=h, device_block_ids=[30, 31, 32, 33, 34]), keys)
+    assert whole.blocks == [30, 31, 32, 33, 34]
+    assert all(same(block(cache, 30 + i), want[i]) for i in range(5))
+    # A plain miss (a hole) drops nothing after it: those objects may be sound.
+    path.storage.delete(keys.keys(h[2:3]))
+    hole = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
+    assert hole.blocks == [20, 21] and path.storage.read_object(keys.keys(h[3:4])[0])
 
 
 def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:

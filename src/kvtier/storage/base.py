@@ -36,6 +36,10 @@ Contract (implementations do not repeat it):
   ``put_from_scattered(keys, sources)`` is the same for saves: each object's payload is read
   from ``sources[i]`` in order (hashed here), with ``put_from``'s results.
 - ``delete(keys)`` -> number of objects removed; missing keys are ignored.
+- ``found_corrupt(key)`` -> was ``key`` found bad (and removed) since it was last asked about.
+  A load that stops at such an object drops the objects after it in that load: they were not
+  verified, and a put keeps a stored object whose header is sound, so the caller's save of the
+  recomputed blocks would otherwise leave them (each later load finding the next bad one).
 - ``usage()`` -> StorageUsage; ``close()`` releases everything; backends are context managers.
 - Every method is thread-safe. A backend that cannot be reached at all raises
   ``StorageUnavailable`` (callers answer "0 blocks" and carry on); per-key failures are False,
@@ -61,6 +65,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +75,9 @@ import torch
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.spec import KVCacheSpec
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
+
+# Bad keys kept for a load to ask about (it asks at once: a few suffice; bounded all the same).
+REMEMBERED_CORRUPT_KEYS = 1024
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +122,7 @@ class StorageBackend(ABC):
         self.payload_bytes = spec.block_bytes
         self.object_bytes = HEADER_BYTES + spec.block_bytes
         self.stats = StorageStats()
+        self._found_corrupt: OrderedDict[str, None] = OrderedDict()  # until a load asks
 
     # ---- capabilities: every backend states them -------------------------------------------
 
@@ -203,6 +212,14 @@ class StorageBackend(ABC):
         """Store raw bytes under ``key``, replacing what is there (bypasses immutability on
         purpose: fault injection and repair tools)."""
 
+    def found_corrupt(self, key: str) -> bool:
+        """Was ``key`` found bad (and removed) since it was last asked about? (Forgets it.)"""
+        with self.stats.lock:
+            if key not in self._found_corrupt:
+                return False
+            del self._found_corrupt[key]
+            return True
+
     def report_corrupt(self, key: str, reason: str) -> None:
         """A caller found a fetched payload bad (deferred verification): count, log, remove."""
         self._corrupt(key, ObjectCorrupt(reason))
@@ -248,6 +265,10 @@ class StorageBackend(ABC):
     def _corrupt(self, key: str, error: ObjectCorrupt) -> None:
         """Count and log a detected bad object once; the caller removes it."""
         self.stats.add(corrupt=1)
+        with self.stats.lock:
+            self._found_corrupt[key] = None
+            while len(self._found_corrupt) > REMEMBERED_CORRUPT_KEYS:
+                self._found_corrupt.popitem(last=False)
         log.warning(
             "%s store: object %s is corrupt (%s): treated as a miss and removed",
             self.kind,

@@ -183,5 +183,8 @@ class FaultInjectingStore(StorageBackend):
     def report_corrupt(self, key: str, reason: str) -> None:
         self.inner.report_corrupt(key, reason)
 
+    def found_corrupt(self, key: str) -> bool:
+        return self.inner.found_corrupt(key)
+
     def close(self) -> None:
         self.inner.close()
