@@ -108,7 +108,8 @@ def test_files_of_live_owners_and_other_users_are_never_reclaimed(name: str) -> 
         else:
             pytest.skip("needs root to give a file to another user")
         with DeviceCache.create(spec, name):
-            assert reclaim_orphans() == []
+            # Only this test's names: a dead program's kvtier files elsewhere may go meanwhile.
+            assert [n for n in reclaim_orphans() if name in n] == []
             assert (SHM_DIR / f"{name}.kvcache").exists() and foreign.exists()
     finally:
         foreign.unlink(missing_ok=True)
