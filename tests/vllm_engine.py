@@ -44,8 +44,14 @@ counters = driver.counters
 reset = driver.reset
 
 
+STARTED = time.monotonic()
+
+
 def emit(phase: str, **data) -> None:
-    print(json.dumps({"phase": phase, **data}), flush=True)
+    """One phase's JSON line; ``at_s``: seconds since this script started (where a slow run's
+    time went: the engine's start, or a phase)."""
+    at_s = round(time.monotonic() - STARTED, 2)
+    print(json.dumps({"phase": phase, "at_s": at_s, **data}), flush=True)
 
 
 def kvtier_client(args: dict):
