@@ -87,11 +87,11 @@ def cluster(model, tmp_path_factory):
 SAVES_BOUND_S = 180.0  # a saver's blocks stored, on a machine at load 10-40
 
 
-def _saves(stats: list[dict]) -> tuple[int, int]:
-    """(blocks stored or found stored, save tasks answered), every rank."""
+def _saves(stats: list[dict]) -> tuple[int, list[int]]:
+    """(blocks stored or found stored, every rank; save tasks answered, per rank)."""
     saves = [rank.get("tasks", {}).get("save", {}) for rank in stats]
     blocks = sum(s.get("blocks_written", 0) + s.get("blocks_skipped", 0) for s in saves)
-    return blocks, sum(s.get("tasks", 0) for s in saves)
+    return blocks, [s.get("tasks", 0) for s in saves]
 
 
 def _busy(stats: list[dict]) -> int:
@@ -103,7 +103,9 @@ def _saved(server: Server, blocks: int, before: list[dict]) -> bool:
     """Wait until ``server``'s saves since ``before`` (its workers' stats then) are answered —
     they are off its critical path, and on a loaded machine land seconds after its answer: True
     once ``blocks`` more blocks are stored, False once a save was answered and the workers are
-    idle without them (a save failed: a fault), or after SAVES_BOUND_S."""
+    idle without them (a save failed: a fault), or after SAVES_BOUND_S. Every rank must have
+    answered one: at TP=2 one rank's save is often answered before the other rank's vLLM worker
+    has sent its own (both idle then, and nothing failed)."""
     stored, answered = _saves(before)
     deadline = time.monotonic() + SAVES_BOUND_S
     while True:
@@ -111,7 +113,8 @@ def _saved(server: Server, blocks: int, before: list[dict]) -> bool:
         now_stored, now_answered = _saves(stats)
         if now_stored >= stored + blocks:
             return True
-        if (now_answered > answered and _busy(stats) == 0) or time.monotonic() > deadline:
+        every_rank_answered = all(n > b for n, b in zip(now_answered, answered))
+        if (every_rank_answered and _busy(stats) == 0) or time.monotonic() > deadline:
             return False
         time.sleep(0.2)
 
