@@ -240,11 +240,9 @@ def store_keys(h: list[bytes], world_size: int) -> list[str]:
 def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
     """Storage goes away under a running worker: loads give 0 blocks, saves fail, the worker
     stays up and recovers by itself when storage returns."""
+    outage = tmp_path / "outage"  # the wrapper's storage is down while this file exists
     if via == "wrapper":
-        storage = {
-            "backend": "memory",
-            "faults": {"unavailable_after_s": 1.0, "unavailable_for_s": 2.0},
-        }
+        storage = {"backend": "memory", "faults": {"unavailable_while": str(outage)}}
         master = None
     else:
         require_mooncake()
@@ -259,13 +257,15 @@ def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
             if master is not None:
                 master.stop()
             else:
-                time.sleep(1.1)
+                outage.touch()
             res = client.load(h, [3, 4])
             assert res.status is t.Status.ERROR and "storage unavailable" in res.message
             assert client.save(h, [1, 2]).status is t.Status.ERROR
             assert client.swap_out([1], [0]).status is t.Status.OK  # the worker is up
             if master is not None:
                 master.start()
+            else:
+                outage.unlink()
             start = time.monotonic()
             while client.save(hashes(1, 9), [5]).status is not t.Status.OK:
                 assert time.monotonic() - start < 30, "no recovery"

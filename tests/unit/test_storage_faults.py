@@ -69,6 +69,23 @@ def test_outage_window_and_manual_switch() -> None:
     assert store.injected["unavailable"] == 2
 
 
+def test_an_outage_lasts_exactly_while_its_file_exists(tmp_path) -> None:
+    flag = tmp_path / "outage"
+    store = make_backend(
+        CONTRACT_SPEC, {"backend": "memory", "faults": {"unavailable_while": str(flag)}}
+    )
+    keys = make_keys(1)
+    assert store.exists_prefix(keys) == 0
+    flag.touch()
+    with pytest.raises(StorageUnavailable, match="injected outage"):
+        store.exists_prefix(keys)
+    flag.unlink()
+    assert store.exists_prefix(keys) == 0
+    assert store.injected["unavailable"] == 1
+    with pytest.raises(ConfigError, match="storage.faults.unavailable_while"):
+        make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"unavailable_while": 3}})
+
+
 def test_fault_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match="storage.faults.error_rate"):
         make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"error_rate": 2}})

@@ -7,6 +7,7 @@ reliability suite and for operators rehearsing failures. Every injected fault is
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -27,6 +28,9 @@ class FaultConfig:
     corrupt_rate: float = 0.0  # per stored object: one random bit flipped after the put
     unavailable_after_s: float | None = None  # outage window, seconds after start
     unavailable_for_s: float = 0.0
+    # An outage for as long as this file exists (only its existence is looked at): an operator
+    # or a test starts and ends it exactly, whatever the clock and the machine's load.
+    unavailable_while: str | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -36,6 +40,8 @@ class FaultConfig:
                 raise ConfigError(f"storage.faults.{name}", f"must be in [0, 1], got {value!r}")
         if self.latency_s < 0 or self.unavailable_for_s < 0:
             raise ConfigError("storage.faults", "latency_s and unavailable_for_s must be >= 0")
+        if self.unavailable_while is not None and not isinstance(self.unavailable_while, str):
+            raise ConfigError("storage.faults.unavailable_while", "must be a file path")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FaultConfig:
@@ -68,7 +74,10 @@ class FaultInjectingStore(StorageBackend):
         start = self.config.unavailable_after_s
         elapsed = time.monotonic() - self._started
         in_window = start is not None and start <= elapsed < start + self.config.unavailable_for_s
-        if self._forced_unavailable or in_window:
+        flagged = self.config.unavailable_while is not None and os.path.lexists(
+            self.config.unavailable_while
+        )
+        if self._forced_unavailable or in_window or flagged:
             with self._lock:
                 self.injected["unavailable"] += 1
             raise StorageUnavailable(f"injected outage ({what})")
