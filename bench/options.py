@@ -130,6 +130,14 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-bytes", type=SIZE, default=64 << 20, help="vLLM's KV cache (its own prefix cache)"
     )
     p.add_argument(
+        "--ideal",
+        action="store_true",
+        help="a third server per round: vLLM alone, its own cache holding every working set",
+    )
+    p.add_argument(
+        "--ideal-kv-bytes", type=SIZE, default=1 << 30, help="the --ideal server's KV cache"
+    )
+    p.add_argument(
         "--reserved-cpus",
         type=integer(0),
         default=None,

@@ -7,6 +7,11 @@ streaming OpenAI client: (a) prefix reuse, a working set 2-3x vLLM's own cache; 
 Both servers get the same CPU reservation (vLLM 0.32 on CPU reserves one more core per rank
 when a KV connector is configured: on a small machine that changes how many cores compute).
 Ratios are kvtier / no connector within a round, then the median over rounds.
+
+``--ideal`` adds a third server per round: vLLM alone with a KV cache that holds every workload's
+whole working set (``--ideal-kv-bytes``), so its own prefix cache hits everything a connector
+could, at no cost. Its ratio to the no-connector server is the most any connector can give on
+this machine: what is left between kvtier's ratio and it is kvtier's to win.
 """
 
 from __future__ import annotations
@@ -87,18 +92,19 @@ def binding(server: Server) -> str:
     return f"compute {cores[-1] if cores else '?'} reserved {reserved[-1] if reserved else '?'}"
 
 
-def one_server(args, model: str, root: Path, kvtier: bool, run: int, plan) -> dict[str, Any]:
+def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict[str, Any]:
+    """One fresh server (``plain``, ``kvtier`` or ``ideal``) through every workload."""
     extra = None
-    if kvtier:
+    if label == "kvtier":
         extra = {
             **json.loads(args.kvtier_settings),
             "storage": {"backend": "file", "root": str(root / f"store{run}")},
         }
     server = Server(
         model,
-        root / f"{'kvtier' if kvtier else 'plain'}{run}",
+        root / f"{label}{run}",
         kvtier=extra,
-        kv_bytes=args.kv_bytes,
+        kv_bytes=args.ideal_kv_bytes if label == "ideal" else args.kv_bytes,
         max_num_seqs=max(args.hc_concurrency, args.concurrency, args.users),
         reserved_cpus=reserved_cpus(args),
     )
@@ -140,29 +146,40 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
             values = [(p, k) for p, k in values if p and k is not None]
             if not values:
                 continue
-            rows.append(
-                {
-                    "workload": name,
-                    "measure": label,
-                    "figure": figure,
-                    "plain": statistics.median(p for p, _ in values),
-                    "kvtier": statistics.median(k for _, k in values),
-                    "ratio": statistics.median(k / p for p, k in values),
-                    "goal": goal,
-                    "rounds": len(values),
-                    "identical_rounds": same,
-                }
-            )
+            row = {
+                "workload": name,
+                "measure": label,
+                "figure": figure,
+                "plain": statistics.median(p for p, _ in values),
+                "kvtier": statistics.median(k for _, k in values),
+                "ratio": statistics.median(k / p for p, k in values),
+                "goal": goal,
+                "rounds": len(values),
+                "identical_rounds": same,
+            }
+            ideal = [
+                (r["plain"][name].get(figure), r["ideal"][name].get(figure))
+                for r in rounds
+                if "ideal" in r
+            ]
+            ideal = [(p, i) for p, i in ideal if p and i is not None]
+            if ideal:
+                row["ideal"] = statistics.median(i for _, i in ideal)
+                row["ideal_ratio"] = statistics.median(i / p for p, i in ideal)
+            rows.append(row)
         for counter in COUNTERS:
-            rows.append(
-                {
-                    "workload": name,
-                    "measure": counter,
-                    "figure": counter,
-                    "plain": statistics.median(p.get(counter, 0) for p, _ in pairs),
-                    "kvtier": statistics.median(k.get(counter, 0) for _, k in pairs),
-                }
-            )
+            row = {
+                "workload": name,
+                "measure": counter,
+                "figure": counter,
+                "plain": statistics.median(p.get(counter, 0) for p, _ in pairs),
+                "kvtier": statistics.median(k.get(counter, 0) for _, k in pairs),
+            }
+            if any("ideal" in r for r in rounds):
+                row["ideal"] = statistics.median(
+                    r["ideal"][name].get(counter, 0) for r in rounds if "ideal" in r
+                )
+            rows.append(row)
     return rows
 
 
@@ -178,20 +195,32 @@ def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
             f"load average {k.get('load_average_end', 0):.1f}; stop {p['stop_s']:.1f} s / "
             f"{k['stop_s']:.1f} s, left: {len(p['left']) + len(k['left'])}"
         )
+        if "ideal" in entry:
+            i = entry["ideal"]
+            print(f"  round {r}: ideal (vLLM alone, a cache for everything) {i['binding']}")
+    ideal = any("ideal" in row for row in rows)
     header = f"{'workload':18} {'measure':30} {'no connector':>13} {'kvtier':>10} {'ratio':>7}"
+    if ideal:
+        header += f" {'ideal':>8} {'ideal ratio':>12}"
     print(header)
     print("-" * len(header))
     for row in rows:
         if "ratio" in row:
-            print(
+            line = (
                 f"{row['workload']:18} {row['measure']:30} {row['plain']:13.3f} "
                 f"{row['kvtier']:10.3f} {row['ratio']:7.3f}"
             )
+            if "ideal" in row:
+                line += f" {row['ideal']:8.3f} {row['ideal_ratio']:12.3f}"
+            print(line)
         else:
-            print(
+            line = (
                 f"{row['workload']:18} {row['measure']:30} {row['plain']:13.0f} "
                 f"{row['kvtier']:10.0f}"
             )
+            if "ideal" in row:
+                line += f" {'':7} {row['ideal']:8.0f}"
+            print(line)
     for name in dict.fromkeys(r["workload"] for r in rows):
         same = next(r["identical_rounds"] for r in rows if r["workload"] == name and "ratio" in r)
         print(f"{name}: completions identical at temperature 0 in {same} of {len(rounds)} rounds")
@@ -210,11 +239,12 @@ def report(args: argparse.Namespace) -> int:
         rounds = []
         for run in range(args.rounds):
             entry = {}
-            order = [False, True] if run % 2 == 0 else [True, False]
-            for kvtier in order:
-                label = "kvtier" if kvtier else "plain"
+            order = ["plain", "kvtier"] if run % 2 == 0 else ["kvtier", "plain"]
+            if args.ideal:
+                order.insert(run % 3, "ideal")
+            for label in order:
                 progress(f"round {run + 1}/{args.rounds}: {label}")
-                entry[label] = one_server(args, model, root, kvtier, run, plan)
+                entry[label] = one_server(args, model, root, label, run, plan)
                 entry[label]["load_average_end"] = os.getloadavg()[0]
             rounds.append(entry)
     rows = rows_of(rounds, plan)
