@@ -118,13 +118,17 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=COUNT, default=3, help="(a, b) requests in flight")
     p.add_argument("--unique-prompts", type=COUNT, default=16, help="(b) prompts")
     p.add_argument("--output-tokens", type=COUNT, default=16, help="(a, b, d) tokens generated")
-    p.add_argument("--users", type=COUNT, default=6, help="(c) chat users, all in flight")
+    p.add_argument("--users", type=COUNT, default=9, help="(c) chat users")
+    p.add_argument(
+        "--chat-concurrency", type=COUNT, default=3, help="(c) turns in flight (of any users)"
+    )
     p.add_argument("--turns", type=COUNT, default=3, help="(c) turns per user")
     p.add_argument("--first-turn-tokens", type=COUNT, default=1500, help="(c) first prompt")
     p.add_argument("--turn-tokens", type=COUNT, default=200, help="(c) each later message")
     p.add_argument("--answer-tokens", type=COUNT, default=64, help="(c) tokens per answer")
     p.add_argument("--hc-prefixes", type=COUNT, default=32, help="(d) distinct prefixes")
     p.add_argument("--hc-prefix-tokens", type=COUNT, default=1024, help="(d) prefix tokens")
+    p.add_argument("--hc-repeats", type=COUNT, default=3, help="(d) requests per prefix")
     p.add_argument("--hc-concurrency", type=COUNT, default=16, help="(d) requests in flight")
     p.add_argument(
         "--kv-bytes", type=SIZE, default=64 << 20, help="vLLM's KV cache (its own prefix cache)"

@@ -10,8 +10,9 @@ Ratios are kvtier / no connector within a round, then the median over rounds.
 
 ``--ideal`` adds a third server per round: vLLM alone with a KV cache that holds every workload's
 whole working set (``--ideal-kv-bytes``), so its own prefix cache hits everything a connector
-could, at no cost. Its ratio to the no-connector server is the most any connector can give on
-this machine: what is left between kvtier's ratio and it is kvtier's to win.
+could, at no cost. Its ratio to the no-connector server bounds what any connector can give on
+this machine (a generous bound: its cache also has room to run every request at once, where the
+others may queue for KV space).
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ def workloads(args: argparse.Namespace) -> dict[str, tuple[list[load.Session], i
         ),
         "multi_turn": (
             load.chat(3, args.users, args.turns, args.first_turn_tokens, args.turn_tokens),
-            args.users,
+            args.chat_concurrency,
             args.answer_tokens,
         ),
         "high_concurrency": (
-            load.prefix_reuse(4, args.hc_prefixes, args.hc_prefix_tokens, 2, 32),
+            load.prefix_reuse(4, args.hc_prefixes, args.hc_prefix_tokens, args.hc_repeats, 32),
             args.hc_concurrency,
             args.output_tokens,
         ),
@@ -105,7 +106,7 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
         root / f"{label}{run}",
         kvtier=extra,
         kv_bytes=args.ideal_kv_bytes if label == "ideal" else args.kv_bytes,
-        max_num_seqs=max(args.hc_concurrency, args.concurrency, args.users),
+        max_num_seqs=max(args.hc_concurrency, args.concurrency, args.chat_concurrency),
         reserved_cpus=reserved_cpus(args),
     )
     out: dict[str, Any] = {}

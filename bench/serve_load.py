@@ -3,9 +3,10 @@
 Requests are OpenAI completions with token-id prompts, streamed, as ``vllm bench serve`` sends
 them (random-weight models have no tokenizer): TTFT is the time to the first streamed token,
 TPOT the time per later token. A workload is a list of sessions; a session's turns run in
-order, each prompt being the earlier turns, their answers and the new turn (a chat), and up to
-``concurrency`` sessions run at once. A request is "seen" when its prefix (its group) was
-answered before it was sent: the requests a prefix cache can serve.
+order, each prompt being the earlier turns, their answers and the new turn (a chat); up to
+``concurrency`` requests run at once, and a session's next turn queues behind the turns already
+waiting (other users are served while one reads and types). A request is "seen" when its
+prefix (its group) was answered before it was sent: the requests a prefix cache can serve.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import random
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,26 +79,48 @@ def chat(tag: int, users: int, turns: int, first_tokens: int, turn_tokens: int) 
 
 
 def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int) -> list[Record]:
-    """Every session through ``server`` (a ``vllm_server.Server``), ``concurrency`` at once."""
+    """Every session through ``server`` (a ``vllm_server.Server``), ``concurrency`` requests at
+    once, first come first served: a session's next turn joins the back of the queue when its
+    answer arrives, so the other sessions' turns run in between — a chat's users think and type
+    while others are served. Records in session order, turn by turn."""
+    queue: deque[tuple[int, int, list[int]]] = deque((i, 0, []) for i in range(len(sessions)))
+    records: dict[tuple[int, int], Record] = {}
     answered: set[str] = set()
-    lock = threading.Lock()
+    cond = threading.Condition()
+    remaining = len(sessions)  # sessions with a turn still to answer
 
-    def one(session: Session) -> list[Record]:
-        history: list[int] = []
-        records = []
-        for turn in session.turns:
-            prompt = history + turn
-            with lock:
-                seen = session.group in answered
-            record = stream(server, prompt, output, session.group, seen)
-            with lock:
-                answered.add(session.group)
-            history = prompt + record.tokens
-            records.append(record)
-        return records
+    def serve() -> None:
+        nonlocal remaining
+        while True:
+            with cond:
+                while not queue and remaining:
+                    cond.wait()
+                if not queue:
+                    return
+                i, k, history = queue.popleft()
+                seen = sessions[i].group in answered
+            prompt = history + sessions[i].turns[k]
+            try:
+                record = stream(server, prompt, output, sessions[i].group, seen)
+            except BaseException:
+                with cond:  # the other threads stop too, and the error is raised below
+                    queue.clear()
+                    remaining = 0
+                    cond.notify_all()
+                raise
+            with cond:
+                answered.add(sessions[i].group)
+                records[(i, k)] = record
+                if k + 1 < len(sessions[i].turns):
+                    queue.append((i, k + 1, prompt + record.tokens))
+                else:
+                    remaining -= 1
+                cond.notify_all()
 
     with ThreadPoolExecutor(concurrency) as pool:
-        return [r for records in pool.map(one, sessions) for r in records]
+        for future in [pool.submit(serve) for _ in range(concurrency)]:
+            future.result()
+    return [records[key] for key in sorted(records)]
 
 
 def stream(server: Any, prompt: list[int], output: int, group: str, seen: bool) -> Record:
