@@ -125,6 +125,7 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
                 **load.figures(records),
                 **moved,
                 "tokens": [r.tokens for r in records],
+                "seen": [r.seen for r in records],
                 "load_average": os.getloadavg()[0],
             }
             progress(f"  {name}: {out[name]['requests_per_s']:.3f} requests/s")
@@ -225,6 +226,22 @@ def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
     for name in dict.fromkeys(r["workload"] for r in rows):
         same = next(r["identical_rounds"] for r in rows if r["workload"] == name and "ratio" in r)
         print(f"{name}: completions identical at temperature 0 in {same} of {len(rounds)} rounds")
+        for r, entry in enumerate(rounds):
+            plain = entry["plain"][name]
+            for label in ("kvtier", "ideal"):
+                if label in entry and entry[label][name]["tokens"] != plain["tokens"]:
+                    print(f"  round {r}, {label}: {differences(plain, entry[label][name])}")
+
+
+def differences(plain: dict, other: dict) -> str:
+    """Which requests' completions differ, where, and whether their prefix was seen before (a
+    first-time request loads nothing: a difference there is the engine's own arithmetic)."""
+    out = []
+    for i, (a, b) in enumerate(zip(plain["tokens"], other["tokens"])):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append(f"#{i} at token {at} ({'seen' if other['seen'][i] else 'first time'})")
+    return f"{len(out)} request(s) differ: " + ", ".join(out[:8])
 
 
 def report(args: argparse.Namespace) -> int:
