@@ -37,6 +37,7 @@ COUNTERS = {
     "kvtier_failed_tokens": "vllm:kvtier_failed_tokens_total",
     "lookup_round_trips": "vllm:kvtier_lookup_round_trips_total",
     "save_tasks": "vllm:kvtier_save_tasks_total",
+    "preemptions": "vllm:num_preemptions_total",
 }
 SHOWN = [  # (figure, label, goal for kvtier / no connector)
     ("requests_per_s", "requests/s", ">="),
