@@ -180,7 +180,7 @@ def test_engine_b_hits_what_engine_a_computed(cluster) -> None:
     assert moved["vllm:kvtier_failed_tokens_total"] == 0
 
 
-def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster) -> None:
+def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster, figures) -> None:
     """Objects are per layout and rank: C (TP=2) finds none of A's (TP=1), A none of C's; each
     hits its own, with the tokens it computed."""
     a, c = cluster["a"], cluster["c"]
@@ -188,12 +188,25 @@ def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster) ->
     before = c.kvtier_stats()
     first, loaded = _loaded(c, PROMPTS[0])  # A saved this prompt in the first test
     assert loaded == 0
-    assert _saved(c, 2 * blocks, before)  # both ranks' objects
+    assert _saved(c, 2 * blocks, before), _logs(c)  # both ranks' objects
     assert _loaded(c, PROMPTS[0]) == (first, 2 * blocks * BLOCK)
-    only_c = [(23 * j) % 900 + 30 for j in range(700)]
-    before = c.kvtier_stats()
-    c_tokens = c.complete(only_c)
-    assert _saved(c, 2 * blocks, before)  # A's miss below is no race with C's saves
+    # C's saves must have landed before A looks (else A's miss proves nothing). A save
+    # answered other than OK (seen in 2 of 3 full-suite runs, never with this module alone;
+    # the counts by status are kept in the figures) costs a recompute in service; here it
+    # costs a fresh prompt, at most twice.
+    failed_saves = []
+    for attempt in range(3):
+        only_c = [(23 * j + attempt) % 900 + 30 for j in range(700)]
+        before = c.kvtier_stats()
+        c_tokens = c.complete(only_c)
+        if _saved(c, 2 * blocks, before):
+            break
+        failed_saves.append([r.get("tasks", {}).get("save") for r in c.kvtier_stats()])
+    else:
+        pytest.fail(f"C's saves failed 3 times: {failed_saves}\n{_logs(c)}")
+    figures["prompts_until_saved"] = attempt + 1
+    if failed_saves:
+        figures["save_counts_per_rank_after_each_failure"] = failed_saves
     a_tokens, loaded = _loaded(a, only_c)
     assert loaded == 0
     assert _loaded(a, only_c)[0] == a_tokens  # a hit of A's own saves: A's tokens
