@@ -141,6 +141,7 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
 
 def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
     rows = []
+    with_ideal = [r for r in rounds if "ideal" in r]
     for name in plan:
         pairs = [(r["plain"][name], r["kvtier"][name]) for r in rounds]
         same = sum(p["tokens"] == k["tokens"] for p, k in pairs)
@@ -161,9 +162,7 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
                 "identical_rounds": same,
             }
             ideal = [
-                (r["plain"][name].get(figure), r["ideal"][name].get(figure))
-                for r in rounds
-                if "ideal" in r
+                (r["plain"][name].get(figure), r["ideal"][name].get(figure)) for r in with_ideal
             ]
             ideal = [(p, i) for p, i in ideal if p and i is not None]
             if ideal:
@@ -178,9 +177,9 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
                 "plain": statistics.median(p.get(counter, 0) for p, _ in pairs),
                 "kvtier": statistics.median(k.get(counter, 0) for _, k in pairs),
             }
-            if any("ideal" in r for r in rounds):
+            if with_ideal:
                 row["ideal"] = statistics.median(
-                    r["ideal"][name].get(counter, 0) for r in rounds if "ideal" in r
+                    r["ideal"][name].get(counter, 0) for r in with_ideal
                 )
             rows.append(row)
     return rows
