@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.errors import ConfigError
 from kvtier.interrupts import CleanupStack
 from kvtier.table import printable
+from kvtier.user_dirs import open_user_directory
 
 if TYPE_CHECKING:
     from kvtier.demo import Workload
@@ -31,15 +32,18 @@ STORE_ENTRIES = frozenset({"objects", "tmp"})  # what a file store's root holds
 
 def check_keep_store(path: Path) -> None:
     """``--keep-store`` takes a new or empty directory, or a kvtier file store (an earlier
-    ``--keep-store``): never a directory of other things, which the store would write into."""
+    ``--keep-store``): never a directory of other things, which the store would write into, nor
+    one another user controls (``kvtier.user_dirs``: checked before anything in it is read)."""
     try:
-        entries = sorted(os.listdir(path))
-    except FileNotFoundError:
-        return
-    except NotADirectoryError:
-        raise ConfigError("keep_store", f"{path} is not a directory") from None
+        fd, _ = open_user_directory(path, 0o700, "keep_store")
+    except OSError as e:
+        raise ConfigError("keep_store", f"cannot make or open {path}: {e.strerror}") from None
+    try:
+        entries = sorted(os.listdir(fd))
     except OSError as e:
         raise ConfigError("keep_store", f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     strangers = [name for name in entries if name not in STORE_ENTRIES]
     if strangers or (entries and "objects" not in entries):
         shown = ", ".join(printable(n) for n in (strangers or entries)[:3])

@@ -35,6 +35,7 @@ from kvtier.errors import ConfigError
 from kvtier.interrupts import deferred_interrupts
 from kvtier.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans
 from kvtier.spec import KVCacheSpec
+from kvtier.user_dirs import make_user_directory
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def start_workers(
     trees)."""
     if log_dir is not None:
         try:  # the user's directory: made if missing (only the user may read the logs)
-            Path(log_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_user_directory(log_dir, 0o700, "log_dir")
         except OSError as e:
             raise ConfigError("log_dir", f"cannot create {log_dir}: {e.strerror}") from None
     reclaim_orphans()

@@ -15,11 +15,8 @@ Stable names (every series carries ``rank``):
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import (
@@ -32,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.errors import ConfigError
+from kvtier.http_bounds import BoundedHandler, BoundedHTTPServer
 
 log = logging.getLogger(__name__)
 
@@ -116,83 +114,23 @@ class WorkerMetrics:
             self._server = None
 
 
-class _BoundedServer(ThreadingHTTPServer):
+class _BoundedServer(BoundedHTTPServer):
     """Serves ``/metrics`` with at most ``MAX_CONNECTIONS`` handlers at once, each read bounded
-    by ``CONNECTION_TIMEOUT_S`` and each request by ``REQUEST_DEADLINE_S``: idle or slow peers
-    cannot pile up threads or hold the slots (the stock exporter starts one thread per
-    connection, unbounded and without a timeout)."""
-
-    daemon_threads = True
+    by ``CONNECTION_TIMEOUT_S`` and each request by ``REQUEST_DEADLINE_S``."""
 
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._deadlines: dict[socket.socket, float] = {}
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._watchdog = threading.Thread(
-            target=self._expire, name="kvtier-metrics-deadlines", daemon=True
+        super().__init__(
+            address,
+            _MetricsHandler,
+            max_connections=MAX_CONNECTIONS,
+            io_timeout_s=CONNECTION_TIMEOUT_S,
+            request_deadline_s=REQUEST_DEADLINE_S,
         )
-        super().__init__(address, _MetricsHandler)  # a failed bind calls server_close
-        self._watchdog.start()
-
-    def watch(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._deadlines[conn] = time.monotonic() + REQUEST_DEADLINE_S
-
-    def unwatch(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._deadlines.pop(conn, None)
-
-    def _expire(self) -> None:
-        """One thread for every connection: a request not in by its deadline is cut off (its
-        handler's blocked read returns, the slot is freed)."""
-        while not self._stopped.wait(REQUEST_DEADLINE_S / 8):
-            now = time.monotonic()
-            with self._lock:
-                late = [c for c, deadline in self._deadlines.items() if deadline < now]
-                for conn in late:
-                    del self._deadlines[conn]
-            for conn in late:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def server_close(self) -> None:
-        self._stopped.set()
-        if self._watchdog.is_alive():
-            self._watchdog.join()
-        super().server_close()
-
-    def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: closed, not queued
-            return
-        request.settimeout(CONNECTION_TIMEOUT_S)
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
 
 
-class _MetricsHandler(BaseHTTPRequestHandler):
+class _MetricsHandler(BoundedHandler):
     server: _BoundedServer
-
-    def setup(self) -> None:
-        super().setup()
-        self.server.watch(self.connection)
-
-    def finish(self) -> None:
-        self.server.unwatch(self.connection)
-        super().finish()
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server API
         self.server.unwatch(self.connection)  # the request is in: the answer is ours to send

@@ -7,8 +7,13 @@ answers only once they are stored — with ``max_tokens: 1``; then, unchanged, t
 the answer, streamed back as the consumer sends it. A producer that fails or times out costs
 the consumer a recompute, never the request: the consumer's answer is always what is returned.
 
-The proxy listens only where it is told (default 127.0.0.1), reads bodies up to
-``MAX_BODY_BYTES``, and bounds every upstream wait (``--timeout-s``).
+The proxy listens only where it is told (default 127.0.0.1) and bounds what clients can hold
+(``kvtier.http_bounds``): at most ``--max-connections`` at once (one more is answered 503), a
+request's headers within ``REQUEST_DEADLINE_S`` (also the idle wait of a kept-alive
+connection), its body within ``BODY_DEADLINE_S``, each body at most ``MAX_BODY_BYTES`` and all
+bodies held at once at most ``MAX_BUFFERED_BYTES`` (checked on ``Content-Length``, before any
+byte is buffered), every read or write ``IO_TIMEOUT_S``, and every upstream wait
+``--timeout-s``.
 """
 
 from __future__ import annotations
@@ -20,12 +25,20 @@ import sys
 import threading
 import urllib.parse
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kvtier.http_bounds import BoundedHandler, BoundedHTTPServer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt as JSON token ids is about 8 MiB
+MAX_BUFFERED_BYTES = 512 << 20  # bodies held at once, all connections together
+MAX_CONNECTIONS = 256  # a benchmark client's concurrency fits; threads stay bounded
+# Longer than the keep-alive of common clients (aiohttp 15 s, httpx 5 s), so that a client
+# never reuses a connection the proxy is closing; short enough that idle peers free their slots.
+REQUEST_DEADLINE_S = 30.0
+BODY_DEADLINE_S = 60.0  # 64 MiB at about 1 MiB/s
+IO_TIMEOUT_S = 30.0  # one read from or write to a client (a stalled reader of a stream)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 CHUNK_BYTES = 64 << 10
 
@@ -46,14 +59,51 @@ class Upstream:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
 
 
-class Proxy(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address, producer: Upstream, consumer: Upstream, timeout_s: float):
-        super().__init__(address, _Handler)
+class Proxy(BoundedHTTPServer):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        producer: Upstream,
+        consumer: Upstream,
+        timeout_s: float,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        super().__init__(
+            address,
+            _Handler,
+            max_connections=max_connections,
+            io_timeout_s=IO_TIMEOUT_S,
+            request_deadline_s=REQUEST_DEADLINE_S,
+        )
         self.producer, self.consumer, self.timeout_s = producer, consumer, timeout_s
-        self.counts = {"requests": 0, "prefill_failures": 0}
+        self.counts = {"requests": 0, "prefill_failures": 0, "refused": 0}
         self.lock = threading.Lock()
+        self.buffered_bytes = 0
+
+    def refuse_connection(self, request: Any) -> None:
+        """One connection too many: told so (503) and closed, never queued."""
+        self.count("refused")
+        body = b'{"error": "too many connections to kvtier pd-proxy: retry later"}'
+        head = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        head += b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        try:
+            request.settimeout(1.0)  # a new connection's send buffer is empty: never waits
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room for a body of ``nbytes`` within ``MAX_BUFFERED_BYTES``; ``release`` it after."""
+        with self.lock:
+            if self.buffered_bytes + nbytes > MAX_BUFFERED_BYTES:
+                return False
+            self.buffered_bytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.buffered_bytes -= nbytes
 
     def count(self, name: str) -> None:
         with self.lock:
@@ -69,7 +119,7 @@ class Proxy(ThreadingHTTPServer):
             log.error("pd-proxy: request from %s failed", client_address, exc_info=True)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server: Proxy
     protocol_version = "HTTP/1.1"
 
@@ -77,6 +127,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("pd-proxy: " + format, *args)
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        self.server.unwatch(self.connection)  # the request is in
         if self.path == "/health":
             ok = all(_healthy(u, self.server.timeout_s) for u in self._upstreams())
             self._reply(200 if ok else 503, {"producer_and_consumer": ok})
@@ -91,10 +142,28 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             length = -1
         if length <= 0 or length > MAX_BODY_BYTES:
+            self.server.unwatch(self.connection)
             status = 413 if length > 0 else 411 if length == 0 else 400
+            self.close_connection = True  # the body, if any, is never read
             self._reply(status, {"error": f"a body of 1..{MAX_BODY_BYTES} bytes"})
             return
-        body = self.rfile.read(length)
+        if not self.server.reserve(length):
+            self.server.unwatch(self.connection)
+            self.close_connection = True
+            self._reply(503, {"error": "kvtier pd-proxy holds too many bodies: retry later"})
+            return
+        try:
+            self.server.watch(self.connection, BODY_DEADLINE_S)
+            body = self.rfile.read(length)
+            self.server.unwatch(self.connection)
+            if len(body) < length:  # cut off at its deadline, or the client hung up
+                self.close_connection = True
+                return
+            self._forward(body)
+        finally:
+            self.server.release(length)
+
+    def _forward(self, body: bytes) -> None:
         if self.path in ROUTES:
             try:
                 request = json.loads(body)
@@ -176,9 +245,18 @@ def _healthy(upstream: Upstream, timeout_s: float) -> bool:
         conn.close()
 
 
-def serve(producer: str, consumer: str, host: str, port: int, timeout_s: float) -> Proxy:
+def serve(
+    producer: str,
+    consumer: str,
+    host: str,
+    port: int,
+    timeout_s: float,
+    max_connections: int = MAX_CONNECTIONS,
+) -> Proxy:
     """A started proxy (its thread serves until ``shutdown()``)."""
-    proxy = Proxy((host, port), Upstream.parse(producer), Upstream.parse(consumer), timeout_s)
+    proxy = Proxy(
+        (host, port), Upstream.parse(producer), Upstream.parse(consumer), timeout_s, max_connections
+    )
     threading.Thread(target=proxy.serve_forever, name="pd-proxy", daemon=True).start()
     return proxy
 
@@ -203,6 +281,12 @@ def add_pd_proxy(sub: Any, common: Any) -> None:
         default=600.0,
         help="bound on each upstream wait (a long prompt's prefill on a busy CPU takes minutes)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=integer(1, 65536),
+        default=MAX_CONNECTIONS,
+        help="client connections served at once; one more is answered 503",
+    )
     p.set_defaults(func=_run_proxy)
 
 
@@ -210,7 +294,14 @@ def _run_proxy(args: Any) -> int:
     import time
 
     try:
-        proxy = serve(args.producer, args.consumer, args.host, args.port, args.timeout_s)
+        proxy = serve(
+            args.producer,
+            args.consumer,
+            args.host,
+            args.port,
+            args.timeout_s,
+            args.max_connections,
+        )
     except ValueError as e:
         from kvtier.errors import ConfigError
 

@@ -224,7 +224,7 @@ def test_a_missing_log_dir_is_made_and_an_impossible_one_is_a_config_error(tmp_p
     assert (logs / "rank0.log").stat().st_size > 0
     assert logs.stat().st_mode & 0o777 == 0o700
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ConfigError, match="log_dir: cannot create"):
+    with pytest.raises(ConfigError, match="log_dir: .*a-file is not a directory"):
         Client.launch(WSPEC, 1, {"backend": "memory"}, log_dir=tmp_path / "a-file" / "logs")
 
 

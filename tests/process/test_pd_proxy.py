@@ -9,6 +9,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -67,8 +68,8 @@ def pair():
         server.server_close()
 
 
-def post(proxy, path: str, body: bytes) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=10)
+def post(proxy, path: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=timeout_s)
     try:
         conn.request("POST", path, body, {"Content-Type": "application/json"})
         answer = conn.getresponse()
@@ -115,7 +116,7 @@ def test_a_failed_producer_costs_the_consumer_a_recompute_not_the_request(pair) 
         proxy, "/v1/completions", json.dumps({"prompt": [4], "max_tokens": 2}).encode()
     )
     assert (status, json.loads(body)) == (200, {"from": "consumer"})
-    assert proxy.counts == {"requests": 1, "prefill_failures": 1}
+    assert proxy.counts == {"requests": 1, "prefill_failures": 1, "refused": 0}
 
 
 def test_a_failed_consumer_is_a_502_that_says_so(pair) -> None:
@@ -152,3 +153,109 @@ def test_a_client_that_hangs_up_costs_no_traceback_and_the_proxy_serves_on(pair,
     assert "Traceback" not in capfd.readouterr().err
     status, _ = post(proxy, "/v1/completions", json.dumps({"prompt": [2]}).encode())
     assert status == 200
+
+
+def _completion(proxy, timeout_s: float = 10.0) -> int:
+    return post(proxy, "/v1/completions", json.dumps({"prompt": [5]}).encode(), timeout_s)[0]
+
+
+@pytest.fixture
+def small_proxy(monkeypatch):
+    """A proxy with 4 slots, 1.5 s deadlines and 2 MiB for bodies: the attacks below, quickly."""
+    monkeypatch.setattr(pd_proxy, "REQUEST_DEADLINE_S", 1.5)
+    monkeypatch.setattr(pd_proxy, "BODY_DEADLINE_S", 1.5)
+    monkeypatch.setattr(pd_proxy, "MAX_BUFFERED_BYTES", 2 << 20)
+    producer, consumer = Upstream("producer"), Upstream("consumer")
+    proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 10.0, max_connections=4)
+    yield proxy
+    for server in (proxy, producer, consumer):
+        server.shutdown()
+        server.server_close()
+
+
+def test_idle_and_many_connections_cannot_pile_up_threads_or_hold_the_proxy(small_proxy) -> None:
+    """Attack: one thread per connection, unbounded and without a timeout, let any local user
+    pile up threads in the proxy with idle connections and keep every client out."""
+    proxy = small_proxy
+    base = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", proxy.server_address[1])) for _ in range(40)]
+    try:
+        answers = []
+        for sock in idle:  # each is refused (503) at once or cut off at the request deadline
+            sock.settimeout(4 * pd_proxy.REQUEST_DEADLINE_S + 10)
+            answers.append(sock.recv(4096))
+            assert threading.active_count() <= base + proxy.max_connections
+        refused = [a for a in answers if a]
+        assert len(refused) >= 40 - 4 * proxy.max_connections, answers
+        assert all(a.startswith(b"HTTP/1.1 503 ") and b"too many connections" in a for a in refused)
+        assert set(answers) - set(refused) == {b""}  # the others: closed without a word
+        assert _completion(proxy) == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_trickled_headers_and_bodies_are_cut_off_at_their_deadlines(small_proxy) -> None:
+    """Attack: a byte every second restarted a read timeout forever, so 4 peers held every slot
+    (headers) or a body's worth of memory each (bodies)."""
+    proxy = small_proxy
+    stop = threading.Event()
+
+    def trickle(head: bytes) -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", proxy.server_address[1])) as s:
+                    s.sendall(head)
+                    while not stop.wait(0.5):
+                        s.sendall(b"x")
+            except OSError:
+                continue
+
+    heads = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"] * 2
+    heads += [b"POST /v1/completions HTTP/1.1\r\nContent-Length: 900000\r\n\r\n"] * 2
+    threads = [threading.Thread(target=trickle, args=(head,)) for head in heads]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # every slot is taken by a trickler now
+        start, status = time.monotonic(), None
+        while status != 200:
+            assert time.monotonic() - start < 4 * pd_proxy.REQUEST_DEADLINE_S, "never served"
+            try:
+                status = _completion(proxy, 2.0)
+            except OSError:
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def test_bodies_are_bounded_before_a_byte_of_them_is_buffered(small_proxy) -> None:
+    """Attack: bodies claimed by ``Content-Length`` and never sent. One claim over the body
+    bound is a 413 and the sum of claims over the buffer bound a 503, before reading any."""
+    proxy = small_proxy
+    port = proxy.server_address[1]
+    huge = socket.create_connection(("127.0.0.1", port), timeout=5)
+    huge.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 10000000000\r\n\r\n")
+    assert huge.recv(4096).startswith(b"HTTP/1.1 413 ")
+    huge.close()
+    held = []
+    for _ in range(2):  # 2 x 1 MiB claimed: the 2 MiB buffer bound is reached
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1048576\r\n\r\n{")
+        held.append(s)
+    time.sleep(0.3)
+    assert proxy.buffered_bytes == 2 << 20
+    third = socket.create_connection(("127.0.0.1", port), timeout=5)
+    third.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1048576\r\n\r\n")
+    answer = third.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"too many bodies" in answer
+    third.close()
+    deadline = time.monotonic() + 4 * pd_proxy.BODY_DEADLINE_S
+    while proxy.buffered_bytes:  # the unsent bodies are cut off at their deadline
+        assert time.monotonic() < deadline, "the claimed bodies were never released"
+        time.sleep(0.1)
+    for s in held:
+        s.close()
+    assert _completion(proxy) == 200

@@ -5,8 +5,9 @@ and any of them can swap a directory under the root for a symbolic link at any m
 below the root nothing is ever opened by path: every operation walks from the root's
 descriptor, one component at a time, with ``O_NOFOLLOW | O_DIRECTORY``, and then opens, renames
 or unlinks a *name* relative to the directory it reached. A link found where a directory
-should be is removed and replaced (never followed); the root itself is the operator's setting
-and is trusted as given. Only names the store itself creates are ever unlinked
+should be is removed and replaced (never followed); the root itself is the operator's setting,
+and is used only where no other user controls it or a directory on the way to it
+(``kvtier.user_dirs``). Only names the store itself creates are ever unlinked
 (``OBJECT_NAME``, ``TMP_NAME``).
 
 Modes are set explicitly with ``fchmod`` on what this user owns, whatever the umask: under the
@@ -37,8 +38,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvtier.errors import StorageError
+from kvtier.errors import ConfigError, StorageError
 from kvtier.storage.file_io import alive
+from kvtier.user_dirs import open_user_directory
 
 log = logging.getLogger("kvtier.storage.file")
 
@@ -147,9 +149,13 @@ class StoreDirs:
         return self
 
     def _open_root(self) -> None:
-        created = not self.root.exists()
-        self.root.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        """The root, made where missing; refused (``ConfigError``) where another user controls
+        it or a directory on the way to it (``kvtier.user_dirs``), before anything in it is
+        read or written."""
+        shared = bool(self.dir_mode & stat.S_ISGID)  # a group store's documented modes
+        fd, created = open_user_directory(
+            self.root, self.dir_mode, "storage.root", group_shared=shared
+        )
         if created:
             set_mode(fd, self.dir_mode)
         old, self.root_fd = self.root_fd, fd
@@ -166,7 +172,10 @@ class StoreDirs:
         except FileNotFoundError:  # mkdir inside a deleted directory
             with self._lock:
                 if self.root_fd == root_fd:
-                    self._open_root()
+                    try:
+                        self._open_root()
+                    except ConfigError as e:  # someone else made it meanwhile: refused
+                        raise StorageError(str(e)) from None
             return real_directory(name, self.root_fd, self.dir_mode)
 
     def close(self) -> None:

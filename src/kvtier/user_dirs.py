@@ -1,0 +1,159 @@
+"""Directories at paths the user chose, made and opened only where nobody else controls them.
+
+A file store root, a log directory or ``--keep-store`` is often in a shared place (``/tmp/kv``,
+``/dev/shm/kv``, a scratch disk). If it does not exist yet, any local user can create it first
+and then decides what kvtier loads from it (a planted object with a valid checksum) and deletes
+what kvtier stores. So, as OpenSSH's StrictModes does for keys, every component of the path is
+walked from ``/`` through descriptors and checked on the descriptor before the next one is
+opened or made:
+
+- a directory must belong to this user or root (a shared store's root and its parents may
+  instead belong to a group of this user, the store's documented sharing);
+- one that others may write to must have the sticky bit (``/tmp``), so that nobody can rename
+  what is inside; the final directory must not be writable by others at all;
+- a symbolic link is followed only if this user or root made it.
+
+Nothing is read or written inside a directory before it passed.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import os
+import pwd
+import stat
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_LINKS = 40  # Linux's own bound on links followed while resolving one path
+
+
+def open_user_directory(
+    path: Path | str, mode: int, field: str, *, group_shared: bool = False
+) -> tuple[int, bool]:
+    """A descriptor of the directory ``path`` (made with ``mode`` where missing, parents too),
+    and whether its last component was made here. Raises ``ConfigError`` naming ``field`` when
+    a component is controlled by another user (see the module's rules)."""
+    wanted = Path(os.path.abspath(os.path.expanduser(path)))
+    checker = _Checker(wanted, field, group_shared)
+    names = list(wanted.parts[1:])
+    fd = os.open("/", DIR_FLAGS)
+    at, made, links = Path("/"), False, 0
+    try:
+        checker.check(fd, at, last=not names)
+        while names:
+            name = names.pop(0)
+            if name in ("", "."):
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(name, mode, dir_fd=fd)
+                    made = not names
+                except FileExistsError:
+                    pass  # made meanwhile (another rank): checked as found
+                names.insert(0, name)
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                links += 1
+                checker.check_link(st, at / name, links)
+                target = Path(os.readlink(name, dir_fd=fd))
+                names = [*target.parts[target.is_absolute() :], *names]
+                if target.is_absolute():
+                    os.close(fd)
+                    fd, at = os.open("/", DIR_FLAGS), Path("/")
+                made = False
+                continue
+            try:
+                child = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ENOTDIR, errno.ELOOP):
+                    raise ConfigError(field, f"{at / name} is not a directory") from None
+                raise
+            os.close(fd)
+            fd = child
+            at = at.parent if name == ".." else at / name
+            checker.check(fd, at, last=not names)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, made
+
+
+def make_user_directory(path: Path | str, mode: int, field: str) -> Path:
+    """``open_user_directory`` for a caller that opens files in it by path (log files)."""
+    fd, made = open_user_directory(path, mode, field)
+    try:
+        if made:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return Path(os.path.abspath(os.path.expanduser(path)))
+
+
+class _Checker:
+    def __init__(self, wanted: Path, field: str, group_shared: bool) -> None:
+        self.wanted, self.field, self.group_shared = wanted, field, group_shared
+        self.uid = os.geteuid()
+        self.groups = {os.getegid(), *os.getgroups()}
+
+    def check(self, fd: int, at: Path, last: bool) -> None:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        ours = st.st_uid in (self.uid, 0)
+        group_ok = self.group_shared and st.st_gid in self.groups and not mode & 0o002
+        if not ours and not group_ok:
+            self._refuse(
+                at,
+                f"belongs to {_user(st.st_uid)}, not to you"
+                + (" (another user made it first and decides what it holds)" if last else ""),
+            )
+        others_write = mode & 0o002
+        group_write = mode & 0o020 and not self._trusted_group(st.st_gid)
+        if last and (others_write or (group_write and not self.group_shared)):
+            self._refuse(at, f"is writable by {'others' if others_write else 'its group'}")
+        if not last and (others_write or group_write) and not mode & stat.S_ISVTX:
+            self._refuse(
+                at,
+                f"is writable by {'others' if others_write else 'its group'} without the "
+                "sticky bit (anyone may rename what is inside)",
+            )
+
+    def check_link(self, st: os.stat_result, at: Path, links: int) -> None:
+        if links > MAX_LINKS:
+            self._refuse(at, "has too many levels of symbolic links")
+        if st.st_uid not in (self.uid, 0):
+            self._refuse(at, f"is a symbolic link made by {_user(st.st_uid)}")
+
+    def _trusted_group(self, gid: int) -> bool:
+        """A group of this user's with no other member (a user private group), or any group of
+        this user's for a store shared with its group on purpose."""
+        if gid not in self.groups:
+            return False
+        if self.group_shared:
+            return True
+        try:
+            group = grp.getgrgid(gid)
+            me = pwd.getpwuid(self.uid)
+        except KeyError:
+            return False
+        return gid == me.pw_gid and set(group.gr_mem) <= {me.pw_name}
+
+    def _refuse(self, at: Path, why: str) -> None:
+        where = "" if at == self.wanted else f" (on the way to {self.wanted})"
+        raise ConfigError(
+            self.field,
+            f"refusing {at}{where}: it {why}. Choose a directory of your own (for example "
+            "under your home directory), or have it removed or fixed by its owner or root",
+        )
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
