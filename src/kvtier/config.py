@@ -25,6 +25,7 @@ import yaml
 from kvtier.config_sources import Source, merge, refuse_unknown
 from kvtier.errors import ConfigError
 from kvtier.spec import KVCacheSpec
+from kvtier.user_dirs import check_parent_directory
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ def default_socket_dir() -> Path:
     refused: another local user could otherwise run a fake worker on our socket path.
     """
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    check_parent_directory(
+        base, "XDG_RUNTIME_DIR" if os.environ.get("XDG_RUNTIME_DIR") else "TMPDIR"
+    )
     path = Path(base) / f"kvtier-{os.getuid()}"
     try:
         os.mkdir(path, 0o700)

@@ -35,7 +35,7 @@ from kvtier.errors import ConfigError
 from kvtier.interrupts import deferred_interrupts
 from kvtier.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans
 from kvtier.spec import KVCacheSpec
-from kvtier.user_dirs import make_user_directory
+from kvtier.user_dirs import check_parent_directory, make_user_directory
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ def end_worker(process: subprocess.Popen, endpoint: str, wait_s: float) -> None:
 
 
 def _private_directory(instance_id: str) -> tuple[Path, int]:
+    check_parent_directory(tempfile.gettempdir(), "TMPDIR")
     path = Path(tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{instance_id}-"))
     fd = os.open(path / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)

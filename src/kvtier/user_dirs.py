@@ -32,13 +32,20 @@ MAX_LINKS = 40  # Linux's own bound on links followed while resolving one path
 
 
 def open_user_directory(
-    path: Path | str, mode: int, field: str, *, group_shared: bool = False
+    path: Path | str,
+    mode: int,
+    field: str,
+    *,
+    group_shared: bool = False,
+    parent: bool = False,
 ) -> tuple[int, bool]:
     """A descriptor of the directory ``path`` (made with ``mode`` where missing, parents too),
     and whether its last component was made here. Raises ``ConfigError`` naming ``field`` when
-    a component is controlled by another user (see the module's rules)."""
+    a component is controlled by another user (see the module's rules). ``parent``: ``path``
+    is where kvtier makes its own private names (``TMPDIR``): it is checked as a parent (a
+    sticky ``/tmp`` is fine) and never made."""
     wanted = Path(os.path.abspath(os.path.expanduser(path)))
-    checker = _Checker(wanted, field, group_shared)
+    checker = _Checker(wanted, field, group_shared, parent)
     names = list(wanted.parts[1:])
     fd = os.open("/", DIR_FLAGS)
     at, made, links = Path("/"), False, 0
@@ -51,6 +58,8 @@ def open_user_directory(
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
+                if parent:
+                    raise ConfigError(field, f"{at / name} does not exist") from None
                 try:
                     os.mkdir(name, mode, dir_fd=fd)
                     made = not names
@@ -84,6 +93,12 @@ def open_user_directory(
     return fd, made
 
 
+def check_parent_directory(path: Path | str, field: str) -> None:
+    """Refuse (``ConfigError``) a directory where kvtier is about to make private names of its
+    own (``mkdtemp``, a socket directory) if another user could rename them."""
+    os.close(open_user_directory(path, 0o700, field, parent=True)[0])
+
+
 def make_user_directory(path: Path | str, mode: int, field: str) -> Path:
     """``open_user_directory`` for a caller that opens files in it by path (log files)."""
     fd, made = open_user_directory(path, mode, field)
@@ -96,14 +111,16 @@ def make_user_directory(path: Path | str, mode: int, field: str) -> Path:
 
 
 class _Checker:
-    def __init__(self, wanted: Path, field: str, group_shared: bool) -> None:
+    def __init__(self, wanted: Path, field: str, group_shared: bool, parent: bool) -> None:
         self.wanted, self.field, self.group_shared = wanted, field, group_shared
+        self.parent = parent  # the last component is checked as a parent too
         self.uid = os.geteuid()
         self.groups = {os.getegid(), *os.getgroups()}
 
     def check(self, fd: int, at: Path, last: bool) -> None:
         st = os.fstat(fd)
         mode = stat.S_IMODE(st.st_mode)
+        last = last and not self.parent
         ours = st.st_uid in (self.uid, 0)
         group_ok = self.group_shared and st.st_gid in self.groups and not mode & 0o002
         if not ours and not group_ok:

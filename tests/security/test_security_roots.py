@@ -148,3 +148,29 @@ def test_a_parent_writable_by_others_without_the_sticky_bit_is_refused(tmp_path)
     os.chmod(root_open_to_all, 0o777)
     with pytest.raises(ConfigError, match="writable by others"):
         FileStore(SPEC, {"root": root_open_to_all})
+
+
+def test_a_tmpdir_others_may_rename_in_is_refused_for_sockets_and_launches(
+    tmp_path, monkeypatch
+) -> None:
+    """kvtier makes private names in TMPDIR (the socket directory, launch directories): in a
+    directory open to all without the sticky bit, anyone could rename them and put their own
+    in place (a fake worker's socket)."""
+    import tempfile as tempfile_module
+
+    from kvtier import launcher
+    from kvtier.config import default_socket_dir
+
+    open_tmp = tmp_path / "tmp"
+    open_tmp.mkdir()
+    os.chmod(open_tmp, 0o777)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(open_tmp))
+    monkeypatch.setattr(tempfile_module, "tempdir", None)  # read TMPDIR again
+    with pytest.raises(ConfigError, match="TMPDIR: refusing .* without the sticky bit"):
+        default_socket_dir()
+    with pytest.raises(ConfigError, match="TMPDIR: refusing"):
+        launcher._private_directory("attacked")
+    assert list(open_tmp.iterdir()) == []
+    os.chmod(open_tmp, 0o1777)  # as /tmp is: taken
+    assert default_socket_dir().parent == open_tmp
