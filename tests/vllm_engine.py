@@ -140,6 +140,25 @@ def scenario_single(args: dict) -> None:
     emit("worker_stats", corrupt=stats["storage"]["corrupt"])
     reset(llm)
     emit("after_repair", **generate(llm, prompts()))
+    sleep_and_wake(llm, args)
+
+
+def sleep_and_wake(llm, args: dict) -> None:
+    """vLLM >= 0.33's sleep hooks, called as its worker calls them (0.32 never does): the
+    kvtier worker unmaps the cache while vLLM sleeps, and hits again after the wake-up."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()  # this process's worker side (one-process engine)
+    for _ in range(2):  # idempotent
+        connector.unregister_kv_caches()
+    with kvtier_client(args) as client:
+        asleep = client.control("stats").per_rank[0].data["state"]
+    for _ in range(2):
+        connector.restore_kv_caches()
+    with kvtier_client(args) as client:
+        awake = client.control("stats").per_rank[0].data["state"]
+    reset(llm)
+    emit("woken", asleep=asleep, awake=awake, **generate(llm, prompts()))
 
 
 def scenario_restart(args: dict) -> None:

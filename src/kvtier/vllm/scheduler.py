@@ -131,6 +131,12 @@ class SchedulerSide:
         self._pending_load[request.request_id] = (first, count, len(wanted))
         return count * bs, not self.sync_loads
 
+    def may_load_async(self, request: Any) -> bool:
+        """Did this waiting request's kept lookup find stored blocks, loaded asynchronously?
+        A dictionary look-up: vLLM asks whenever the request enters a waiting queue."""
+        kept = self._lookups.get(request.request_id)
+        return not self.sync_loads and kept is not None and kept.count > 0
+
     def _lookup(self, hashes: list[bytes]) -> int:
         try:
             assert self.client is not None

@@ -83,6 +83,7 @@ class WorkerSide:
         self.launch: Launch | None = None
         self.client: Client | None = None
         self._allocation: _AllocateInto | None = None
+        self._cuda_tensors: list[torch.Tensor] = []  # published again after a wake-up
         self.transfers = StepTransfers(self.spec.block_size, rank, role == "kv_producer")
         if self.device_type == "cpu":
             # The segment exists before vLLM allocates, so the worker can start now, in
@@ -138,6 +139,7 @@ class WorkerSide:
                         "(the allocation hook was not used): this vLLM is not supported"
                     )
         else:  # CUDA: share the tensors vLLM allocated by IPC handle
+            self._cuda_tensors = tensors
             self.cache = DeviceCache.wrap(self.spec, tensors)
             self.cache.publish(self.name)
             self._start_worker()
@@ -156,6 +158,29 @@ class WorkerSide:
             self.spec.block_bytes // 1024,
             self.spec.engine_layout,
         )
+
+    # ---- sleep (vLLM >= 0.33) -----------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM sleeps: the kvtier worker drops its mapping, so the memory really goes
+        back once vLLM frees it. vLLM has drained transfers; idempotent (sleep twice is 200)."""
+        self._control("sleep")
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM wakes: on CUDA the tensors' IPC handles are published again (the memory
+        behind them is new), then the kvtier worker maps the cache again. Idempotent."""
+        if self._cuda_tensors and self.cache is not None:
+            self.cache.close()  # the old handles' file: gone before the new one is published
+            self.cache = DeviceCache.wrap(self.spec, self._cuda_tensors)
+            self.cache.publish(self.name)
+        self._control("wakeup")
+
+    def _control(self, method: str) -> None:
+        if self.client is None:
+            return  # not registered yet: nothing is mapped
+        answer = self.client.control(method, timeout_s=self.settings.task_timeout_s)
+        if answer.code != 200:
+            raise DeviceCacheError(f"kvtier worker of rank {self.rank}: {method}: {answer.message}")
 
     def shutdown(self) -> None:
         self.transfers.drain()
