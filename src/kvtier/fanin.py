@@ -38,7 +38,7 @@ def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
 
     ``bytes_moved`` is the sum over ranks (each rank moves its own shard); ``seconds`` the
     slowest rank; ``count`` (lookup: found; save: already stored) the smallest; ``code``
-    (control) the worst.
+    (control) the worst; ``removed`` blocks the union.
     """
     ordered = [results[r] for r in sorted(results)]
     worst = max(ordered, key=lambda res: t.STATUS_ORDER[res.status])
@@ -54,4 +54,7 @@ def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
         message="; ".join(messages),
         code=max((res.code for res in ordered), default=t.Code.NONE),
         rank=-1,
+        # a block is gone from the store once any rank's part of it is
+        removed=list(dict.fromkeys(h for res in ordered for h in res.removed)),
+        all_removed=any(res.all_removed for res in ordered),
     )

@@ -23,6 +23,7 @@ from kvtier.datapath import DataPath
 from kvtier.device import DeviceCache
 from kvtier.host import HostLayout, HostPool, check_memory_available
 from kvtier.keys import KeyScheme, read_weight_version
+from kvtier.removals import RemovedBlocks
 from kvtier.storage import make_backend
 from kvtier.storage.base import StorageBackend
 
@@ -88,6 +89,7 @@ class RankResources:
         version = config.version if explicit else read_weight_version(config.model_dir)
         keys = KeyScheme(config.namespace, config.spec.fingerprint, config.rank, version or "")
         self.versions = WeightVersion(keys, pinned=explicit, seen={keys.version})
+        self.removals = RemovedBlocks(lambda: self.versions.keys)
 
     @property
     def keys(self) -> KeyScheme:
@@ -104,6 +106,7 @@ class RankResources:
                 self.device_cache = DeviceCache.attach(cfg.spec, cfg.device_cache_name)
             self.host_pool = HostPool(cfg.spec, self.layout.total_blocks)
             self.storage = make_backend(cfg.spec, cfg.storage)
+            self.storage.watch_removals(self.removals.keys_evicted)
             self.datapath = DataPath(self.device_cache, self.host_pool, self.layout, self.storage)
         except BaseException:
             self.close()
@@ -133,18 +136,24 @@ class RankResources:
     def update_version(self, version: str | None) -> VersionChange | None:
         """An explicit version pins it; None re-reads version.yaml (None: file unreadable)."""
         if version is not None:
-            return self.versions.set(version, pinned=True)
+            return self._retire(self.versions.set(version, pinned=True))
         found = read_weight_version(self.config.model_dir)
         if not found:
             return None
-        return self.versions.set(found, pinned=False)
+        return self._retire(self.versions.set(found, pinned=False))
 
     def reread_version(self) -> VersionChange | None:
         """On resume: re-read version.yaml unless an explicit version pins the current one."""
         if self.versions.pinned or not self.config.model_dir:
             return None
         found = read_weight_version(self.config.model_dir)
-        return self.versions.set(found, pinned=False) if found else None
+        return self._retire(self.versions.set(found, pinned=False)) if found else None
+
+    def _retire(self, change: VersionChange) -> VersionChange:
+        """A new version makes every stored object unreachable: the engine hears so."""
+        if change.changed:
+            self.removals.retire_all()
+        return change
 
     # ---- sleep ------------------------------------------------------------------------------
 

@@ -41,6 +41,9 @@ INLINE_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN)
 QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
 BACKGROUND_DIRECTIONS = (t.Direction.SAVE,)
 BACKGROUND_NICE = 10
+# Results that carry the blocks removed from storage since the last (``kvtier.removals``).
+STORAGE_TASKS = (t.Save, t.Load, t.SaveHost, t.LoadHost)
+SAVES = (t.Save, t.SaveHost)
 
 Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
 Send = Callable[[Peer, t.Result], None]
@@ -143,6 +146,7 @@ class TaskRunner:
             self.gate.done(item)
         seconds = time.perf_counter() - start
         self._account(task, outcome, seconds)
+        removed, all_removed = self._removals(task, keys, outcome)
         result = t.Result(
             task_id=task.task_id,
             status=outcome.status,
@@ -152,8 +156,21 @@ class TaskRunner:
             seconds=seconds,
             message=outcome.message,
             rank=self.rank,
+            removed=removed,
+            all_removed=all_removed,
         )
         self._send(peer, result)
+
+    def _removals(self, task: Any, keys: KeyScheme, outcome: Outcome) -> tuple[list[bytes], bool]:
+        """What a storage task's answer tells of removed blocks (``kvtier.removals``): those
+        removed since the last answer, or all; and what this save stored under a version that
+        was retired while it ran."""
+        if not isinstance(task, STORAGE_TASKS):
+            return [], False
+        removed, all_removed = self.resources.removals.take()
+        if keys.version != self.resources.keys.version and isinstance(task, SAVES):
+            removed += task.block_hashes[: len(outcome.blocks)]
+        return removed, all_removed
 
     def _outcome(self, task: Any, keys: KeyScheme) -> Outcome:
         try:

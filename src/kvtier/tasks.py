@@ -170,6 +170,10 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     code: Code = Code.NONE
     rank: int = -1
     data: Data = {}
+    # Save and load results: blocks whose stored objects this rank removed since its previous
+    # such result (evicted), or all of them (a weight update) — ``kvtier.removals``.
+    removed: BlockHashes = []
+    all_removed: bool = False
 
 
 class Welcome(_Message, tag="welcome", frozen=True, kw_only=True):

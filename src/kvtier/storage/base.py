@@ -66,7 +66,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +123,19 @@ class StorageBackend(ABC):
         self.object_bytes = HEADER_BYTES + spec.block_bytes
         self.stats = StorageStats()
         self._found_corrupt: OrderedDict[str, None] = OrderedDict()  # until a load asks
+        self._removal_listener: Callable[[list[str]], None] | None = None
+
+    # ---- removals the backend decides itself ---------------------------------------------------
+
+    def watch_removals(self, listener: Callable[[list[str]], None]) -> None:
+        """Tell ``listener`` the keys of objects this backend evicts for capacity, where it
+        knows them (the file and memory stores; Mooncake evicts inside its master, unseen).
+        Called on the thread that evicted, after the objects are gone; must not block."""
+        self._removal_listener = listener
+
+    def _evicted(self, keys: list[str]) -> None:
+        if keys and self._removal_listener is not None:
+            self._removal_listener(keys)
 
     # ---- capabilities: every backend states them -------------------------------------------
 

@@ -195,5 +195,8 @@ class FaultInjectingStore(StorageBackend):
     def found_corrupt(self, key: str) -> bool:
         return self.inner.found_corrupt(key)
 
+    def watch_removals(self, listener) -> None:
+        self.inner.watch_removals(listener)
+
     def close(self) -> None:
         self.inner.close()

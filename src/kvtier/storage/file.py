@@ -68,6 +68,7 @@ from kvtier.storage.file_io import (
     CallersPriorityPool,
     OnceLog,
     ReadResult,
+    key_trailer,
     read_object,
     striped,
     warn_if_open,
@@ -188,17 +189,6 @@ class FileStore(StorageBackend):
             os.replace(tmp, name, src_dir_fd=fan_fd, dst_dir_fd=fan_fd)
         self._index.add(name, len(data))
 
-    def drop_page_cache(self, keys: Sequence[str]) -> None:
-        """Ask the OS to drop these objects from the page cache (cold-read benchmarks).
-
-        Only clean pages can be dropped: call ``os.sync()`` first after writing.
-        """
-        for key in keys:
-            fd = self._open_object(*object_name(key))
-            if fd is not None:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._writers.shutdown()
@@ -222,6 +212,12 @@ class FileStore(StorageBackend):
             os.close(fd)
             return None
         return fd
+
+    def _key_of(self, name: str) -> str | None:
+        """The storage key in object ``name``'s trailer, if it names that object."""
+        fd = self._open_object(name[:2], name)
+        key = None if fd is None else key_trailer(fd, self.object_bytes, MAX_KEY_BYTES)
+        return key if key is not None and object_name(key)[1] == name else None
 
     def _read(self, fan: str, name: str, head, body, tail, want_hash: bool) -> ReadResult | None:
         """``file_io.read_object`` of ``objects/<fan>/<name>``; None if there is no regular
@@ -348,8 +344,8 @@ class FileStore(StorageBackend):
         if self._index.stale():
             self._rescan()  # learn about other processes' objects and accesses
         victims = self._index.victims(capacity)
-        for name in victims:
-            self._remove(name[:2], name)
+        keys = [self._key_of(n) if self._removal_listener else None for n in victims]
+        self._evicted([k for k, n in zip(keys, victims) if self._remove(n[:2], n) and k])
         if victims:
             self.stats.add(evictions=len(victims))
             log.info("file store: evicted %d least-recently-used objects", len(victims))

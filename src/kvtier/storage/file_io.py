@@ -214,6 +214,17 @@ class OnceLog:
             )
 
 
+def key_trailer(fd: int, object_bytes: int, max_bytes: int) -> str | None:
+    """The text ending the object open at ``fd`` (closed here): its storage key, if it is one
+    of ours (the caller checks that it names the object)."""
+    try:
+        return os.pread(fd, max_bytes, object_bytes).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def warn_if_open(root: Path, permissions: Any) -> None:
     """A private store whose root group or other may enter holds users' prompts in the open."""
     st = os.stat(root)

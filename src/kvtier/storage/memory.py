@@ -131,13 +131,14 @@ class MemoryStore(StorageBackend):
             self._used -= len(old) if old is not None else 0
             self._objects[key] = data
             self._used += len(data)
-            evicted = 0
+            evicted = []
             while self.capacity_bytes is not None and self._used > self.capacity_bytes:
-                _, victim = self._objects.popitem(last=False)
+                victim_key, victim = self._objects.popitem(last=False)
                 self._used -= len(victim)
-                evicted += 1
+                evicted.append(victim_key)
         if evicted:
-            self.stats.add(evictions=evicted)
+            self.stats.add(evictions=len(evicted))
+            self._evicted(evicted)
 
     def delete(self, keys: Sequence[str]) -> int:
         removed = 0

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.vllm.events import KvtierKVEvents, RankEventLog, TierEvents, publishing
 from kvtier.vllm.metadata import KvtierMetadata
 from kvtier.vllm.settings import ConnectorSettings, default_namespace, instance_name
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
@@ -62,7 +63,10 @@ class KvtierConnector(KVConnectorBase_V1):
             namespace += "." + vllm_config.cache_config.prefix_caching_hash_algo
         self._scheduler = None
         self._worker = None
-        if role is KVConnectorRole.SCHEDULER:
+        self._tier_events: TierEvents | None = None
+        scheduler = role is KVConnectorRole.SCHEDULER
+        events = publishing(vllm_config, self.settings.kv_events, warn=scheduler)
+        if scheduler:
             if transfer.kv_load_failure_policy != "recompute":
                 log.warning(
                     "kvtier: kv_load_failure_policy %r would abort requests whose KV load "
@@ -76,6 +80,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 instance, world_size, block_size, self.settings, role=self.kv_role
             )
+            if events:
+                backend = str((self.settings.storage or {}).get("backend", "file"))
+                self._tier_events = TierEvents(world_size, block_size, backend)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -91,6 +98,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 namespace,
                 role=self.kv_role,
             )
+            if events:
+                self._worker.transfers.events = RankEventLog(self._worker.rank)
 
     # ---- what this connector supports (asked by vLLM; later releases ask more) -------------
 
@@ -191,6 +200,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self):
         return self._worker.transfers.take_stats() if self._worker is not None else None
 
+    def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:
+        """This rank's news of what kvtier stored and removed (``kvtier.vllm.events``)."""
+        if self._worker is None or self._worker.transfers.events is None:
+            return None
+        return self._worker.transfers.events.take()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -219,6 +234,13 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+        reports = getattr(connector_output, "kv_cache_events", None)
+        if self._tier_events is not None and isinstance(reports, KvtierKVEvents):
+            self._tier_events.add(reports.reports)
+
+    def take_events(self):
+        """vLLM KV events of what kvtier stored and removed since the last step."""
+        return self._tier_events.take() if self._tier_events is not None else ()
 
     def request_finished(self, request, block_ids):
         assert self._scheduler is not None

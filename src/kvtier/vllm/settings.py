@@ -11,6 +11,7 @@ from kvtier.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 PREFIX = "kv_connector_extra_config"
+KV_EVENTS = ("auto", "any_interface", "off")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class ConnectorSettings:
     - ``metrics_port``: kvtier's own Prometheus exporter per worker (port + rank; 0: any).
     - ``log_dir``: keep the kvtier workers' logs there, made (0700) if missing (default: removed at
       shutdown).
+    - ``kv_events``: add what kvtier stores and removes to vLLM's KV events
+      (``--kv-events-config``; ``kvtier.vllm.events``): ``auto`` (default: when vLLM publishes
+      them on an endpoint bound to a host), ``any_interface`` (also on a wildcard ``tcp://*``),
+      ``off``.
     """
 
     storage: dict[str, Any] | None = None  # None: KVTIER_STORAGE*, else the file store
@@ -51,6 +56,7 @@ class ConnectorSettings:
     task_timeout_s: float = 120.0
     metrics_port: int | None = None
     log_dir: str | None = None
+    kv_events: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -71,6 +77,10 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"{PREFIX}.{name}", f"must be a number > 0, got {value!r}")
+        if self.kv_events not in KV_EVENTS:
+            raise ConfigError(
+                f"{PREFIX}.kv_events", f"got {self.kv_events!r}; allowed: {', '.join(KV_EVENTS)}"
+            )
         if self.load_mode not in ("async", "sync"):
             raise ConfigError(
                 f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"

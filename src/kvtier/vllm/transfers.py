@@ -23,6 +23,7 @@ from typing import Any
 
 from kvtier import tasks as t
 from kvtier.errors import KvtierError
+from kvtier.vllm.events import RankEventLog
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec
 from kvtier.vllm.stats import KvtierConnectorStats
 
@@ -45,6 +46,7 @@ class StepTransfers:
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_hashes: set[bytes] = set()
+        self.events: RankEventLog | None = None  # set where kvtier's KV events are published
 
     # ---- each step --------------------------------------------------------------------------
 
@@ -74,7 +76,8 @@ class StepTransfers:
         )
         future = self._submit(task)
         self._count(save_tasks=1)
-        future.add_done_callback(self._account_save)  # counted when answered
+        hashes = task.block_hashes
+        future.add_done_callback(lambda f: self._account_save(f, hashes))  # when answered
         for spec in meta.saves:
             self._saves[spec.req_id].append(future)
         if self.wait_for_saves:
@@ -151,6 +154,7 @@ class StepTransfers:
     def _account_load(self, future: Future, spec: LoadSpec) -> None:
         try:
             result: t.Result = future.result()
+            self._note_events(result)
             loaded = len(result.blocks)
             self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
@@ -162,9 +166,10 @@ class StepTransfers:
         bs = self.block_size
         self._count(loaded_tokens=loaded * bs, failed_tokens=len(failed) * bs)
 
-    def _account_save(self, future: Future) -> None:
+    def _account_save(self, future: Future, hashes: list[bytes]) -> None:
         try:
             result: t.Result = future.result()
+            self._note_events(result, hashes[: len(result.blocks)])
             bs = self.block_size
             self._count(
                 saved_tokens=(len(result.blocks) - result.count) * bs,
@@ -175,6 +180,10 @@ class StepTransfers:
                 self._count(save_failures=1)
         except Exception:
             self._count(save_failures=1)
+
+    def _note_events(self, result: t.Result, stored: list[bytes] | None = None) -> None:
+        if self.events is not None:
+            self.events.add(stored or [], list(result.removed), result.all_removed)
 
     def _count(self, **counts: float) -> None:
         with self._stats_lock:
