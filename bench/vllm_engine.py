@@ -56,7 +56,8 @@ def prompt_set(n: int, tokens: int, shared: int) -> list[list[int]]:
 
 def engine(args: dict):
     """An offline ``LLM`` of ``args["model"]``: with the kvtier connector unless ``kvtier`` is
-    false (``storage``, ``instance``, ``load_mode``, ``log_dir``); ``tp`` ranks, in this
+    false (``storage``, ``instance``, ``load_mode``, ``log_dir``, ``kv_events``: vLLM's KV-events
+    endpoint); ``tp`` ranks, in this
     process (``uni``, the default) or vLLM's worker processes; ``kv_bytes`` of KV cache."""
     from vllm import LLM
 
@@ -82,6 +83,12 @@ def engine(args: dict):
         }
         if args.get("log_dir"):
             extra["log_dir"] = args["log_dir"]
+        if args.get("kv_events"):  # vLLM's publisher, which carries kvtier's tier events too
+            kwargs["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": args["kv_events"],
+            }
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.vllm",

@@ -111,16 +111,124 @@ def saves(args: dict) -> dict:
     return totals
 
 
+SUBSCRIBER = """
+import json, os, sys, time
+import msgspec, zmq
+from vllm.distributed.kv_events import KVEventBatch
+parent = os.getppid()
+sock = zmq.Context().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+while os.getppid() == parent:  # ends with the scenario, however it ends
+    if not sock.poll(200):
+        continue
+    _topic, _seq, payload = sock.recv_multipart()
+    for e in decoder.decode(payload).events:
+        if getattr(e, "medium", None) == "STORAGE":
+            hashes = [h.hex() if isinstance(h, bytes) else h for h in e.block_hashes]
+            print(json.dumps({"kind": type(e).__name__, "hashes": hashes, "at": time.time(),
+                              "token_ids": len(getattr(e, "token_ids", [])),
+                              "ownership": e.ownership}), flush=True)
+"""
+
+
+class Subscriber:
+    """A router's view, in its own process as a router is: it listens on ZeroMQ, vLLM's
+    publisher (given a host, not tcp://*) connects to it, and events are decoded with vLLM's own
+    classes; kvtier's are those of medium STORAGE. (A SUB socket bound in the engine's own
+    process received nothing from vLLM's connecting PUB socket here, though connected.)"""
+
+    def __init__(self) -> None:
+        import queue
+        import subprocess
+        import threading
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SUBSCRIBER], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        _SUBSCRIBERS.append(self)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+
+    def storage_events(self, until=None, timeout_s: float = 1.0) -> tuple[list, float]:
+        """Events received until ``until(events)`` holds or ``timeout_s`` passed; and the
+        seconds waited."""
+        import queue
+
+        events: list = []
+        start = time.monotonic()
+        while not (until and until(events)):
+            left = timeout_s - (time.monotonic() - start)
+            if left <= 0:
+                break
+            try:
+                events.append(self.events.get(timeout=left))
+            except queue.Empty:
+                break
+        return events, time.monotonic() - start
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+_SUBSCRIBERS: list[Subscriber] = []
+
+
+def stored_hashes(root: str) -> set:
+    """vLLM's form of the block hashes of the objects in the store (as its events carry them)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    from kvtier.storage.file_admin import scan
+
+    found = set()
+    for o in scan(root):
+        if o.parts is not None:
+            h = maybe_convert_block_hash(BlockHash(bytes.fromhex(o.parts.block_hash)))
+            found.add(h.hex() if isinstance(h, bytes) else h)  # as the subscriber prints them
+    return found
+
+
+def events_phase(subscriber: Subscriber, kind: str, want: set) -> dict:
+    """Wait up to 1 s for events of ``kind`` (BlockStored / BlockRemoved) naming ``want``."""
+
+    def named(events) -> set:
+        return {h for e in events if e["kind"] == kind for h in e["hashes"]}
+
+    events, waited = subscriber.storage_events(until=lambda ev: want <= named(ev))
+    return {
+        "want": len(want),
+        "seen": len(want & named(events)),
+        "waited_s": round(waited, 3),
+        "token_ids": sum(e["token_ids"] for e in events),
+        "ownership": sorted({e["ownership"] for e in events}),
+    }
+
+
 def scenario_single(args: dict) -> None:
-    llm = engine(args)
+    subscriber = Subscriber()
+    llm = engine({**args, "kv_events": subscriber.endpoint})
     emit("first", **generate(llm, prompts()))
     reset(llm)
     emit("first_saves", **saves(args))
+    root = args["storage"]["root"]
+    announced = stored_hashes(root)
+    emit("events_stored", **events_phase(subscriber, "BlockStored", announced))
     emit("hits", **generate(llm, prompts()))
     with kvtier_client(args) as client:
         assert client.control("update_weights", version="RL-STEP2").code == 200
         reset(llm)
         emit("new_version", **generate(llm, prompts()))
+        reset(llm)  # a step after the last save's answer: its news is published
+        emit("events_retired", **events_phase(subscriber, "BlockRemoved", announced))
         # back to the unversioned keys the engine's scheduler side uses: a rollback on purpose
         assert client.control("update_weights", version="", allow_rollback=True).code == 200
     reset(llm)
@@ -243,6 +351,8 @@ def close_engines() -> None:
     """Shut the engines down the way vLLM does (connectors' shutdown included)."""
     for llm in _ENGINES:
         llm.llm_engine.engine_core.shutdown()
+    for subscriber in _SUBSCRIBERS:
+        subscriber.close()
 
 
 if __name__ == "__main__":

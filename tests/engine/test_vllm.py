@@ -111,6 +111,21 @@ def test_a_new_weight_version_gets_no_hits(reference, single) -> None:
     assert external_hits(phase) == 0 and phase["delta"]["kvtier_found_tokens"] == 0
 
 
+def test_a_router_sees_every_stored_block_and_every_retired_one_in_vllms_kv_events(
+    single,
+) -> None:
+    """vLLM's own publisher (``--kv-events-config``, ZeroMQ) carries kvtier's tier: a
+    subscriber decoding with vLLM's classes sees a BlockStored (medium STORAGE) for every object
+    in the store, and a BlockRemoved for each after a weight update — within 1 s of the engine's
+    next step; hashes only, no tokens."""
+    stored, retired = single["events_stored"], single["events_retired"]
+    assert stored["want"] > 0 and stored["seen"] == stored["want"], stored
+    assert stored["waited_s"] <= 1.0 and stored["token_ids"] == 0
+    assert stored["ownership"] == ["kvtier:file"]
+    assert retired["seen"] == retired["want"] == stored["want"], retired
+    assert retired["waited_s"] <= 1.0
+
+
 def test_the_sleep_hooks_unmap_and_remap_the_workers_cache(reference, single) -> None:
     """vLLM 0.33's ``unregister_kv_caches`` / ``restore_kv_caches``, called twice each."""
     woken = single["woken"]

@@ -99,7 +99,7 @@ def test_prefill_decode_through_the_proxy_answers_as_one_server(servers) -> None
         moved_c = _moved(before_c, consumer.metrics())
         assert moved_c["vllm:kvtier_loaded_tokens_total"] == 2 * 7 * 128
         assert moved_c.get("vllm:kvtier_save_tasks_total", 0) == 0
-        assert proxy.counts == {"requests": 2, "prefill_failures": 0}
+        assert proxy.counts == {"requests": 2, "prefill_failures": 0, "refused": 0}
         # SIGTERM to the producer's API server (as a service manager stops it) leaves nothing;
         # with the producer gone, the consumer recomputes, and the answer is the same.
         assert producer.stop("main", signal.SIGTERM) < STOP_TIMEOUT_S

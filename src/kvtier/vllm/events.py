@@ -15,9 +15,10 @@ the blocks the store removed (evicted, or all of them after a weight update: ``R
 - events carry block hashes only, never tokens (``token_ids`` is empty): the socket is readable
   by whoever can connect, and a router keys its index by hash.
 
-Published only where the publisher is bound to a host, not a wildcard (``tcp://*``, vLLM's
-default): ``kv_events`` in ``kv_connector_extra_config`` (``auto`` | ``off`` |
-``any_interface``) says otherwise.
+Published only where vLLM's publisher does not listen on every interface: its default
+``tcp://*:5557`` binds all of them, while a host endpoint (``tcp://127.0.0.1:5557``) makes it
+connect to the router listening there, and ``ipc://`` binds a socket file. ``kv_events`` in
+``kv_connector_extra_config`` (``auto`` | ``off`` | ``any_interface``) says otherwise.
 """
 
 from __future__ import annotations
@@ -183,9 +184,9 @@ def publishing(vllm_config: Any, setting: str, warn: bool = False) -> bool:
             return False
         log.warning(
             "kvtier: vLLM's KV-events publisher binds every interface (%s): kvtier adds what "
-            "it stores only to a publisher bound to a host — set kv_events_config's endpoint "
-            "to tcp://127.0.0.1:<port> (or the router's network), or kv_connector_extra_config "
-            "kv_events: any_interface to accept it",
+            "it stores only to a publisher that does not — set kv_events_config's endpoint to "
+            "the router's address (tcp://HOST:PORT: vLLM connects to the router) or an ipc:// "
+            "path, or kv_connector_extra_config kv_events: any_interface to accept it",
             config.endpoint,
         )
         return False
