@@ -266,3 +266,47 @@ class Server:
                     found.append(str(path))
         found += [f"pid {pid}" for pid in self.marked()]
         return found
+
+
+@dataclass
+class Router:
+    """``vllm-router`` (vLLM's router, a Rust binary in the ``vllm-router`` wheel) in front of
+    servers: ``args`` are its own (``--worker-urls A B --policy round_robin``, or
+    ``--vllm-pd-disaggregation --prefill P --decode D``). A context manager."""
+
+    args: list[str]
+    workdir: Path
+    port: int = 0
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Router:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        command = ["vllm-router", *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.workdir / "router.log", "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:  # it waits for its workers' health, then listens
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited {self.process.returncode}: see router.log")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

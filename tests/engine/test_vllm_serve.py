@@ -13,13 +13,14 @@ the driver ``kvtier bench serve`` uses (``kvtier_bench.vllm_server``).
 from __future__ import annotations
 
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from kvtier import pd_proxy
-from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Server
+from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server
 
 PREFIX = list(range(3, 515))  # 512 shared tokens: 4 full blocks of 128
 PROMPTS = [PREFIX + [600 + 7 * i + j % 5 for j in range(100)] for i in range(3)]
@@ -34,9 +35,12 @@ def servers(model, tmp_path_factory):
         return Server(model, root / name, kvtier={"storage": store})
 
     shared = {"backend": "file", "root": str(root / "store-pd")}
+    both = {"backend": "file", "root": str(root / "store-both")}  # two kv_both servers' store
     started = {
         "plain": Server(model, root / "plain"),
         "ctrl_c": kvtier("ctrl_c"),
+        "first": Server(model, root / "first", kvtier={"storage": both}),
+        "second": Server(model, root / "second", kvtier={"storage": both}),
         "producer": Server(model, root / "producer", kvtier={"storage": shared}),
         "consumer": Server(model, root / "consumer", kvtier={"storage": shared}),
     }
@@ -70,6 +74,48 @@ def test_completions_are_vllms_and_hits_come_from_kvtier(servers) -> None:
     assert after["vllm:kvtier_saved_tokens_total"] >= len(PREFIX)
 
 
+def _objects(server: Server) -> int:
+    return len(list(Path(server.kvtier["storage"]["root"], "objects").rglob("*.kvb")))
+
+
+def _stored(server: Server, count: int, timeout_s: float = 120.0) -> None:
+    """Wait for ``count`` objects in the server's store: a kv_both server answers before its
+    saves are (an idle server takes no step to report them: the store itself is read)."""
+    deadline = time.monotonic() + timeout_s
+    while _objects(server) < count:
+        assert time.monotonic() < deadline, f"{_objects(server)} of {count} objects stored"
+        time.sleep(0.1)
+
+
+ROUTED = [list(range(40 + i, 40 + i + 600)) for i in range(2)]  # 4 full blocks each
+
+
+def test_vllm_router_in_front_of_two_servers_on_one_store(servers, tmp_path, figures) -> None:
+    """vllm-router (round robin, then cache aware) over two kv_both servers sharing a store:
+    its answers are vLLM's, and a prompt the first server computed is loaded by the second."""
+    first, second = servers["first"], servers["second"]
+    reference = {tuple(p): servers["plain"].complete(p) for p in ROUTED}
+    workers = ["--worker-urls", first.url, second.url]
+    with Router([*workers, "--policy", "round_robin"], tmp_path / "rr") as router:
+        through = Server(first.model, first.workdir, port=router.port)
+        before = [first.metrics(), second.metrics()]
+        for n, prompt in enumerate(ROUTED, 1):  # once to one server, once to the other
+            assert through.complete(prompt) == reference[tuple(prompt)]
+            _stored(first, 4 * n)
+            assert through.complete(prompt) == reference[tuple(prompt)]
+        loaded = sum(
+            _moved(b, s.metrics()).get("vllm:kvtier_loaded_tokens_total", 0)
+            for b, s in zip(before, (first, second))
+        )
+    aligned = sum(len(p) // 128 * 128 for p in ROUTED)
+    figures["round_robin_loaded_share"] = loaded / aligned
+    assert loaded >= 0.9 * aligned
+    with Router([*workers, "--policy", "cache_aware"], tmp_path / "ca") as router:
+        through = Server(first.model, first.workdir, port=router.port)
+        for prompt in ROUTED * 2:
+            assert through.complete(prompt) == reference[tuple(prompt)]
+
+
 def test_ctrl_c_of_the_server_group_leaves_nothing(servers) -> None:
     server = servers["ctrl_c"]
     server.complete(PROMPTS[0])  # the kvtier worker exists and has saved
@@ -82,18 +128,36 @@ def test_ctrl_c_of_the_server_group_leaves_nothing(servers) -> None:
 LONG = [list(range(20 + i, 20 + i + 1000)) for i in range(2)]  # 7 full blocks each
 
 
+def test_prefill_decode_behind_vllm_router(servers, tmp_path) -> None:
+    """vllm-router's own P/D mode in front of a producer and a consumer sharing a store: each
+    request goes to the producer, then to the consumer, which loads every full block."""
+    producer, consumer = servers["producer"], servers["consumer"]
+    pd = ["--vllm-pd-disaggregation", "--prefill", producer.url, "--decode", consumer.url]
+    # 7 full blocks each, token ids below the vocabulary's 1024, none of LONG's prefixes
+    prompts = [[(5 * j + 3 * i) % 1000 + 10 for j in range(1000)] for i in range(2)]
+    with Router([*pd, "--policy", "round_robin"], tmp_path / "pd") as router:
+        through = Server(producer.model, producer.workdir, port=router.port)
+        objects, before = _objects(producer), consumer.metrics()
+        answers = [through.complete(p) for p in prompts]
+        assert answers == [servers["plain"].complete(p) for p in prompts]
+        assert _objects(producer) == objects + 2 * 7
+        moved = _moved(before, consumer.metrics())
+        assert moved["vllm:kvtier_loaded_tokens_total"] == 2 * 7 * 128
+        assert moved.get("vllm:kvtier_save_tasks_total", 0) == 0
+
+
 def test_prefill_decode_through_the_proxy_answers_as_one_server(servers) -> None:
     producer, consumer = servers["producer"], servers["consumer"]
     proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 300.0)
     try:
         through = Server(producer.model, producer.workdir, port=proxy.server_address[1])
         before_p, before_c = producer.metrics(), consumer.metrics()
+        objects = _objects(producer)
         answers = [through.complete(p) for p in LONG]
         assert answers == [servers["plain"].complete(p) for p in LONG]
         # The producer answered once every full block was stored (its counters reach /metrics a
         # step later, and an idle producer takes no step: the store itself is read).
-        objects = Path(producer.kvtier["storage"]["root"], "objects")
-        assert len(list(objects.rglob("*.kvb"))) == 2 * 7
+        assert _objects(producer) == objects + 2 * 7
         assert _moved(before_p, producer.metrics()).get("vllm:kvtier_lookups_total", 0) == 0
         # The consumer loaded them (its prefill was a load) and saved nothing.
         moved_c = _moved(before_c, consumer.metrics())
