@@ -4,6 +4,7 @@ and a bad value answer at once, without importing torch (10-15 s on a busy machi
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvtier.cli_args import COUNT, SEED, SIZE, integer, plot_file
 
@@ -182,7 +183,55 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
+def trace_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        default=str(Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl.gz"),
+        help="a Mooncake-format trace (JSON lines, .gz or not); default: ../shared/traces' one",
+    )
+    p.add_argument("--start", type=integer(0), default=0, help="first line of the window")
+    p.add_argument("--lines", type=COUNT, default=4000, help="trace lines in the window")
+    p.add_argument(
+        "--every", type=COUNT, default=40, help="prefix groups (first hash id) kept: one in N"
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=COUNT,
+        default=128,
+        help="tokens per hash id (the trace's are 512; 128 = one vLLM block here)",
+    )
+    p.add_argument("--max-prompt-tokens", type=COUNT, default=1024, help="a prompt's first N")
+    p.add_argument("--max-output-tokens", type=COUNT, default=16, help="output lengths capped")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.2,
+        help="arrival times multiplied by this (the default: ~0.7 requests/s of the kept lines)",
+    )
+    p.add_argument("--max-in-flight", type=COUNT, default=8, help="requests at once, at most")
+    p.add_argument(
+        "--capacity-blocks",
+        type=integer(0),
+        default=0,
+        help="kvtier's store bounded to this many blocks, and the ideal LRU too (0: unbounded)",
+    )
+    p.add_argument("--rounds", type=COUNT, default=2, help="interleaved rounds, fresh servers")
+    p.add_argument(
+        "--kv-bytes", type=SIZE, default=64 << 20, help="vLLM's KV cache (its own prefix cache)"
+    )
+    p.add_argument(
+        "--reserved-cpus",
+        type=integer(0),
+        default=None,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers (default: 2 above 4 cores, else 1)",
+    )
+    p.add_argument("--kvtier-settings", default="{}", help="more kv_connector_extra_config as JSON")
+    p.add_argument("--model", help="a model directory (default: build a random Llama)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+
+
 ARGUMENTS = {
+    "trace": trace_arguments,
     "cluster": cluster_arguments,
     "copy": copy_arguments,
     "storage": storage_arguments,

@@ -32,6 +32,7 @@ BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "vllm": "a real vLLM engine: recompute vs kvtier miss+save vs kvtier hits",
     "serve": "vllm serve with kvtier vs without: fair binding, 4 workloads, interleaved rounds",
     "cluster": "engines sharing a Mooncake cluster; prefill/decode through it vs one instance",
+    "trace": "a Mooncake-format request trace replayed against vllm serve, kvtier vs none",
 }
 
 

@@ -3,8 +3,10 @@ without kvtier, hits from kvtier's store, and stops — Ctrl-C of the whole grou
 API server alone (the producer's) — that leave nothing: no process, segment, socket, lock or
 launch directory.
 Prefill/decode disaggregation: a producer (``kv_producer``) and a consumer (``kv_consumer``)
-sharing a store behind ``kvtier pd-proxy`` answer as one server would, the consumer loading
-what the producer computed; with the producer gone, the consumer recomputes.
+sharing a store behind ``kvtier pd-proxy`` or vLLM's own ``vllm-router`` answer as one server
+would, the consumer loading what the producer computed; with the producer gone, the proxy's
+consumer recomputes (vllm-router fails the request). vllm-router also routes over two kv_both
+servers on one store.
 
 The servers are started once for the module, side by side (each start costs 20-60 s here), by
 the driver ``kvtier bench serve`` uses (``kvtier_bench.vllm_server``).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,12 +38,12 @@ def servers(model, tmp_path_factory):
         return Server(model, root / name, kvtier={"storage": store})
 
     shared = {"backend": "file", "root": str(root / "store-pd")}
-    both = {"backend": "file", "root": str(root / "store-both")}  # two kv_both servers' store
+    ctrl_c = kvtier("ctrl_c")
     started = {
         "plain": Server(model, root / "plain"),
-        "ctrl_c": kvtier("ctrl_c"),
-        "first": Server(model, root / "first", kvtier={"storage": both}),
-        "second": Server(model, root / "second", kvtier={"storage": both}),
+        "ctrl_c": ctrl_c,
+        # a second kv_both server on ctrl_c's store: vllm-router in front of the two
+        "second": Server(model, root / "second", kvtier=ctrl_c.kvtier),
         "producer": Server(model, root / "producer", kvtier={"storage": shared}),
         "consumer": Server(model, root / "consumer", kvtier={"storage": shared}),
     }
@@ -91,17 +94,19 @@ ROUTED = [list(range(40 + i, 40 + i + 600)) for i in range(2)]  # 4 full blocks 
 
 
 def test_vllm_router_in_front_of_two_servers_on_one_store(servers, tmp_path, figures) -> None:
-    """vllm-router (round robin, then cache aware) over two kv_both servers sharing a store:
+    """vllm-router (round robin, then cache aware) over two kv_both servers sharing a store
+    (ctrl_c's, before its own test stops it):
     its answers are vLLM's, and a prompt the first server computed is loaded by the second."""
-    first, second = servers["first"], servers["second"]
+    first, second = servers["ctrl_c"], servers["second"]
     reference = {tuple(p): servers["plain"].complete(p) for p in ROUTED}
     workers = ["--worker-urls", first.url, second.url]
     with Router([*workers, "--policy", "round_robin"], tmp_path / "rr") as router:
         through = Server(first.model, first.workdir, port=router.port)
         before = [first.metrics(), second.metrics()]
+        objects = _objects(first)
         for n, prompt in enumerate(ROUTED, 1):  # once to one server, once to the other
             assert through.complete(prompt) == reference[tuple(prompt)]
-            _stored(first, 4 * n)
+            _stored(first, objects + 4 * n)
             assert through.complete(prompt) == reference[tuple(prompt)]
         loaded = sum(
             _moved(b, s.metrics()).get("vllm:kvtier_loaded_tokens_total", 0)
@@ -146,9 +151,14 @@ def test_prefill_decode_behind_vllm_router(servers, tmp_path) -> None:
         assert moved.get("vllm:kvtier_save_tasks_total", 0) == 0
 
 
-def test_prefill_decode_through_the_proxy_answers_as_one_server(servers) -> None:
+def test_prefill_decode_through_the_proxy_answers_as_one_server(servers, tmp_path) -> None:
+    """Why kvtier keeps its proxy beside vllm-router: with the producer gone, the proxy's
+    consumer recomputes and answers, where vllm-router's P/D mode fails the request (HTTP 500,
+    "Prefill request ... failed"). Should vllm-router learn to fall back, this test says so."""
     producer, consumer = servers["producer"], servers["consumer"]
     proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 300.0)
+    pd = ["--vllm-pd-disaggregation", "--prefill", producer.url, "--decode", consumer.url]
+    router = Router([*pd, "--policy", "round_robin"], tmp_path / "pd").__enter__()
     try:
         through = Server(producer.model, producer.workdir, port=proxy.server_address[1])
         before_p, before_c = producer.metrics(), consumer.metrics()
@@ -171,7 +181,11 @@ def test_prefill_decode_through_the_proxy_answers_as_one_server(servers) -> None
         other = [(3 * j) % 1000 + 10 for j in range(1000)]  # ids < the vocabulary's 1024
         assert through.complete(other) == servers["plain"].complete(other)
         assert proxy.counts["prefill_failures"] == 1
+        routed = Server(producer.model, producer.workdir, port=router.port)
+        with pytest.raises(urllib.error.HTTPError, match="500"):
+            routed.complete(other)
     finally:
+        router.__exit__(None, None, None)
         proxy.shutdown()
         proxy.server_close()
 
