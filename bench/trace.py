@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import print_json_rows, progress
 from kvtier_bench.serve import COUNTERS, binding, reserved_cpus
@@ -53,26 +54,33 @@ def read_trace(path: str, start: int, lines: int, every: int = 1) -> list[dict[s
     """The lines ``start`` .. ``start + lines`` of the trace at ``path`` (JSON lines, gzip or
     not) whose first hash id is a multiple of ``every``: whole prefix groups, one in
     ``every``, so their reuse is kept (thinning lines instead loses it: reuse is long-range)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # never blocks on a FIFO; what is open is checked before a byte is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError("--trace", f"cannot open {path}: {e.strerror}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise ValueError(f"{path}: not a regular file")
+        raise ConfigError("--trace", f"{path} is not a regular file")
     kept = []
     with os.fdopen(fd, "rb") as raw, gzip.open(raw) if path.endswith(".gz") else raw as stream:
         for n, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b"")):
             if len(line) > MAX_LINE_BYTES:
-                raise ValueError(f"{path}:{n + 1}: a line over {MAX_LINE_BYTES} bytes")
+                raise ConfigError("--trace", f"{path}:{n + 1}: a line over {MAX_LINE_BYTES} bytes")
             if n >= start + lines:
                 break
             if n >= start:
-                entry = _checked(json.loads(line), f"{path}:{n + 1}")
+                entry = _checked(line, f"{path}:{n + 1}")
                 if entry["hash_ids"] and entry["hash_ids"][0] % every == 0:
                     kept.append(entry)
     return kept
 
 
-def _checked(entry: Any, where: str) -> dict[str, Any]:
+def _checked(line: bytes, where: str) -> dict[str, Any]:
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        raise ConfigError("--trace", f"{where}: not JSON") from None
     ok = (
         isinstance(entry, dict)
         and isinstance(entry.get("timestamp"), (int, float))
@@ -81,7 +89,9 @@ def _checked(entry: Any, where: str) -> dict[str, Any]:
         and all(isinstance(h, int) for h in entry["hash_ids"])
     )
     if not ok:
-        raise ValueError(f"{where}: not a trace line (timestamp, output_length, hash_ids)")
+        raise ConfigError(
+            "--trace", f"{where}: not a trace line (timestamp, output_length, hash_ids)"
+        )
     return entry
 
 
@@ -99,19 +109,16 @@ def requests_of(lines: list[dict], args: argparse.Namespace) -> list[Request]:
 
 def ideal_hits(requests: list[Request], block_tokens: int, capacity: int | None) -> int:
     """Prompt tokens whose leading blocks were seen before (``capacity`` blocks, LRU; None:
-    every block ever seen)."""
-    cache: OrderedDict[int, None] = OrderedDict()
+    every block ever seen). A block is known by its whole prefix, as an engine's chained block
+    hashes know it: the same hash id after another prefix is another block."""
+    cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
     hit = 0
     for r in requests:
-        lead = 0
-        for h in r.hash_ids:
-            if h not in cache:
-                break
-            lead += 1
-        hit += lead * block_tokens
-        for h in r.hash_ids:
-            cache[h] = None
-            cache.move_to_end(h)
+        chain = [r.hash_ids[: i + 1] for i in range(len(r.hash_ids))]
+        hit += block_tokens * next((i for i, c in enumerate(chain) if c not in cache), len(chain))
+        for c in chain:
+            cache[c] = None
+            cache.move_to_end(c)
         while capacity is not None and len(cache) > capacity:
             cache.popitem(last=False)
     return hit
@@ -237,10 +244,17 @@ def report(args: argparse.Namespace) -> int:
                 entry[label] = one_server(args, model, root, label, run, requests)
             rounds.append(entry)
     rows = rows_of(rounds, ideal, prompt_tokens)
-    same = sum(r["plain"]["tokens"] == r["kvtier"]["tokens"] for r in rounds)
     if args.json:
         print_json_rows(rows)
-        return 0
+    else:
+        print_report(args, requests, ideal, rounds, rows)
+    return 0
+
+
+def print_report(args, requests: list[Request], ideal: dict, rounds: list, rows: list) -> None:
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    capacity = args.capacity_blocks or None
+    same = sum(r["plain"]["tokens"] == r["kvtier"]["tokens"] for r in rounds)
     span = requests[-1].at_s if requests else 0.0
     print(
         f"trace {args.trace}: {len(requests)} requests of lines {args.start}.."
@@ -273,7 +287,6 @@ def report(args: argparse.Namespace) -> int:
                 f"{row['kvtier_loaded_tokens']:.0f}"
             )
     print(f"completions identical at temperature 0 in {same} of {len(rounds)} rounds")
-    return 0
 
 
 def main() -> int:
