@@ -106,6 +106,23 @@ def vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
+def server_pair_arguments(p: argparse.ArgumentParser) -> None:
+    """A server with kvtier against one without, on one binding (serve, trace)."""
+    p.add_argument(
+        "--reserved-cpus",
+        type=integer(0),
+        default=None,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers (default: 2 above 4 cores, else 1)",
+    )
+    p.add_argument(
+        "--kvtier-settings",
+        default="{}",
+        help='more kv_connector_extra_config as JSON, e.g. \'{"worker_cores": "inherit"}\'',
+    )
+    p.add_argument("--model", help="a model directory (default: build a random Llama)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+
+
 def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=COUNT, default=3, help="interleaved rounds, fresh servers")
     p.add_argument(
@@ -142,19 +159,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ideal-kv-bytes", type=SIZE, default=1 << 30, help="the --ideal server's KV cache"
     )
-    p.add_argument(
-        "--reserved-cpus",
-        type=integer(0),
-        default=None,
-        help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers (default: 2 above 4 cores, else 1)",
-    )
-    p.add_argument(
-        "--kvtier-settings",
-        default="{}",
-        help='more kv_connector_extra_config as JSON, e.g. \'{"worker_cores": "inherit"}\'',
-    )
-    p.add_argument("--model", help="a model directory (default: build a random Llama)")
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    server_pair_arguments(p)
     p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")
 
 
@@ -219,15 +224,7 @@ def trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-bytes", type=SIZE, default=64 << 20, help="vLLM's KV cache (its own prefix cache)"
     )
-    p.add_argument(
-        "--reserved-cpus",
-        type=integer(0),
-        default=None,
-        help="VLLM_CPU_NUM_OF_RESERVED_CPU for both servers (default: 2 above 4 cores, else 1)",
-    )
-    p.add_argument("--kvtier-settings", default="{}", help="more kv_connector_extra_config as JSON")
-    p.add_argument("--model", help="a model directory (default: build a random Llama)")
-    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    server_pair_arguments(p)
 
 
 ARGUMENTS = {

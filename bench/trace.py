@@ -109,13 +109,16 @@ def requests_of(lines: list[dict], args: argparse.Namespace) -> list[Request]:
 
 def ideal_hits(requests: list[Request], block_tokens: int, capacity: int | None) -> int:
     """Prompt tokens whose leading blocks were seen before (``capacity`` blocks, LRU; None:
-    every block ever seen). A block is known by its whole prefix, as an engine's chained block
+    every block ever seen), as many as an engine can take from a cache. A block is known by its whole prefix, as an engine's chained block
     hashes know it: the same hash id after another prefix is another block."""
     cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
     hit = 0
     for r in requests:
         chain = [r.hash_ids[: i + 1] for i in range(len(r.hash_ids))]
-        hit += block_tokens * next((i for i, c in enumerate(chain) if c not in cache), len(chain))
+        lead = next((i for i, c in enumerate(chain) if c not in cache), len(chain))
+        # an engine computes a prompt's last token whatever it holds: a prompt of whole
+        # blocks hits one block fewer (with --block-tokens = the engine's block size)
+        hit += block_tokens * min(lead, (len(r.prompt) - 1) // block_tokens)
         for c in chain:
             cache[c] = None
             cache.move_to_end(c)
