@@ -227,7 +227,15 @@ def trace_arguments(p: argparse.ArgumentParser) -> None:
     server_pair_arguments(p)
 
 
+def router_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=COUNT, default=40, help="requests each way")
+    p.add_argument("--prompt-tokens", type=COUNT, default=300, help="tokens per prompt")
+    p.add_argument("--model", help="a model directory (default: build a random Llama)")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+
+
 ARGUMENTS = {
+    "router": router_arguments,
     "trace": trace_arguments,
     "cluster": cluster_arguments,
     "copy": copy_arguments,

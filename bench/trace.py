@@ -109,8 +109,9 @@ def requests_of(lines: list[dict], args: argparse.Namespace) -> list[Request]:
 
 def ideal_hits(requests: list[Request], block_tokens: int, capacity: int | None) -> int:
     """Prompt tokens whose leading blocks were seen before (``capacity`` blocks, LRU; None:
-    every block ever seen), as many as an engine can take from a cache. A block is known by its whole prefix, as an engine's chained block
-    hashes know it: the same hash id after another prefix is another block."""
+    every block ever seen), as many as an engine can take from a cache. A block is known by its
+    whole prefix, as an engine's chained block hashes know it: the same hash id after another
+    prefix is another block."""
     cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
     hit = 0
     for r in requests:

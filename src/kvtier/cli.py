@@ -33,6 +33,7 @@ BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "serve": "vllm serve with kvtier vs without: fair binding, 4 workloads, interleaved rounds",
     "cluster": "engines sharing a Mooncake cluster; prefill/decode through it vs one instance",
     "trace": "a Mooncake-format request trace replayed against vllm serve, kvtier vs none",
+    "router": "vllm-router in front of a kvtier server: TTFT through it vs direct",
 }
 
 
