@@ -173,13 +173,14 @@ def _alive(pid: int) -> bool:
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
+    """A private tmpfs at ``path`` (tmpfs's own default, 1777, is a root open to others, which
+    kvtier refuses: anyone could make ``objects/`` there first)."""
     path.mkdir(parents=True, exist_ok=True)
-    return (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-        ).returncode
-        == 0
+    options = f"size={size},mode=0700"
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
     )
+    return mounted.returncode == 0
 
 
 def _umount(path: Path) -> None:
