@@ -170,6 +170,8 @@ class TaskRunner:
         removed, all_removed = self.resources.removals.take()
         if keys.version != self.resources.keys.version and isinstance(task, SAVES):
             removed += task.block_hashes[: len(outcome.blocks)]
+        if len(removed) > t.MAX_IDS_PER_TASK:  # more than a message holds: "all", as removals
+            return [], True
         return removed, all_removed
 
     def _outcome(self, task: Any, keys: KeyScheme) -> Outcome:
