@@ -307,14 +307,11 @@ def print_report(rows: list[dict], args) -> None:
 
 
 def report(args: argparse.Namespace) -> int:
-    from kvtier_bench.vllm_engine import make_model
+    from kvtier_bench.vllm_engine import model_or_built
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-") as tmp:
         root = Path(tmp)
-        model = args.model or str(root / "model")
-        if not args.model:
-            progress("building a random Llama (hidden 512, 4 layers)")
-            make_model(model)
+        model = model_or_built(args.model, root)
         cluster = start_cluster(root, args.segment_bytes)
         args.storage = cluster.storage
         try:

@@ -42,14 +42,11 @@ def measure(server: Server, router: Router, requests: int, prompt_tokens: int) -
 
 
 def report(args: argparse.Namespace) -> int:
-    from kvtier_bench.vllm_engine import make_model
+    from kvtier_bench.vllm_engine import model_or_built
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-router-") as tmp:
         root = Path(tmp)
-        model = args.model or str(root / "model")
-        if not args.model:
-            progress("building a random Llama (hidden 512, 4 layers)")
-            make_model(model)
+        model = model_or_built(args.model, root)
         store = {"backend": "file", "root": str(root / "store")}
         server = Server(model, root / "server", kvtier={"storage": store}).start()
         try:

@@ -245,15 +245,12 @@ def differences(plain: dict, other: dict) -> str:
 
 
 def report(args: argparse.Namespace) -> int:
-    from kvtier_bench.vllm_engine import make_model
+    from kvtier_bench.vllm_engine import model_or_built
 
     plan = workloads(args)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
         root = Path(tmp)
-        model = args.model or str(root / "model")
-        if not args.model:
-            progress("building a random Llama (hidden 512, 4 layers)")
-            make_model(model)
+        model = model_or_built(args.model, root)
         rounds = []
         for run in range(args.rounds):
             entry = {}

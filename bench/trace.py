@@ -223,7 +223,7 @@ def rows_of(rounds: list[dict], ideal: dict[str, int], prompt_tokens: int) -> li
 
 
 def report(args: argparse.Namespace) -> int:
-    from kvtier_bench.vllm_engine import make_model
+    from kvtier_bench.vllm_engine import model_or_built
 
     requests = requests_of(read_trace(args.trace, args.start, args.lines, args.every), args)
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -234,10 +234,7 @@ def report(args: argparse.Namespace) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-trace-") as tmp:
         root = Path(tmp)
-        model = args.model or str(root / "model")
-        if not args.model:
-            progress("building a random Llama (hidden 512, 4 layers)")
-            make_model(model)
+        model = model_or_built(args.model, root)
         # an object: the random Llama's 8 KiB per token of a 128-token vLLM block, header, key
         args.object_bytes = 128 * 8 * 1024 + 4096
         rounds = []

@@ -18,9 +18,22 @@ import sys
 import time
 import uuid
 
+from kvtier_bench.common import progress
+
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 MARK = "KVTIER-RUN "
+
+
+def model_or_built(given: str | None, root: str | os.PathLike) -> str:
+    """``given`` (a model directory), or a random Llama built now in ``root/model``: what the
+    serving benchmarks run when no model is named."""
+    if given:
+        return given
+    model = os.path.join(root, "model")
+    progress("building a random Llama (hidden 512, 4 layers)")
+    make_model(model)
+    return model
 
 
 def make_model(path: str, hidden: int = 512, layers: int = 4) -> None:
