@@ -82,15 +82,30 @@ def e2e_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def latency_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=COUNT, default=2)
-    p.add_argument("--n", type=COUNT, default=3000, help="round trips per measurement")
     p.add_argument(
-        "--transport",
-        choices=["ipc", "tcp"],
-        default="ipc",
-        help="ipc:// sockets (default) or tcp://127.0.0.1 with an instance secret",
+        "--ranks",
+        type=_count_list,
+        default=[1, 2, 4, 8],
+        help="rank counts to measure, comma-separated (default: 1,2,4,8)",
+    )
+    p.add_argument("--n", type=COUNT, default=2000, help="round trips of each kind per rank count")
+    p.add_argument("--window", type=COUNT, default=16, help="lookups in flight for lookups/s")
+    p.add_argument(
+        "--seconds", type=float, default=2.0, help="how long lookups/s is measured (default: 2)"
     )
     p.add_argument("--json", action="store_true")
+
+
+def _count_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be integers >= 1, comma-separated (like 1,2,4), got {text!r}"
+        )
+    return values
 
 
 def vllm_arguments(p: argparse.ArgumentParser) -> None:

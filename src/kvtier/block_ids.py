@@ -34,7 +34,10 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
 def check_block_ids(ids: np.ndarray, limit: int, what: str, *, destination: bool = False) -> None:
     """Every id of ``ids`` in ``0..limit-1``; a ``destination`` names no block twice.
     ``what`` names one id in messages ("device block id")."""
-    bad = ids[(ids < 0) | (ids >= limit)]
+    if not ids.size or (ids.min() >= 0 and ids.max() < limit):
+        bad = ids[:0]
+    else:
+        bad = ids[(ids < 0) | (ids >= limit)]
     if bad.size:
         raise InvalidBlockIds(f"{what} {int(bad[0])} out of range 0..{limit - 1}")
     if destination:

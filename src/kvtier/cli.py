@@ -28,7 +28,7 @@ BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "copy": "device<->host swap GB/s vs contiguous copy and loop",
     "storage": "storage save/load GB/s vs raw disk / raw Mooncake",
     "e2e": "the chat workload: device-only vs +host vs kvtier",
-    "latency": "1-block swap round trip vs raw ZeroMQ round trip",
+    "latency": "heartbeat, 1-block task, lookup and lookups/s vs a bare ZeroMQ echo",
     "vllm": "a real vLLM engine: recompute vs kvtier miss+save vs kvtier hits",
     "serve": "vllm serve with kvtier vs without: fair binding, 4 workloads, interleaved rounds",
     "cluster": "engines sharing a Mooncake cluster; prefill/decode through it vs one instance",

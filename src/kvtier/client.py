@@ -201,7 +201,16 @@ class Client:
         return future
 
     def _call(self, task: Any, timeout_s: float | None) -> t.Result:
-        return self.submit(task, timeout_s).result()
+        """``task``'s answer: on this thread's own connection when it can (``kvtier.direct``),
+        else through the I/O thread."""
+        task = msgspec.structs.replace(task, task_id=next(self._ids))
+        deadline = time.monotonic() + (timeout_s or self.task_timeout_s)
+        result = self._io.call(task, deadline)
+        if result is not None:
+            return result
+        future = TaskFuture()
+        self._io.send(task, future, deadline)
+        return future.result()
 
     def swap_out(self, device_block_ids, host_block_ids, timeout_s=None) -> t.Result:
         """Device blocks -> host blocks (pairwise); ``blocks``: the device ids done."""

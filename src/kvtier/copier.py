@@ -62,9 +62,14 @@ class BlockCopier(ABC):
         self.spec = device_cache.spec
 
     def swap_out(
-        self, device_block_ids: BlockIds, host_block_ids: BlockIds, *, checksum: bool = False
+        self,
+        device_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        *,
+        checksum: bool = False,
+        host_limit: int | None = None,
     ) -> int:
-        dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=True)
+        dev, host = self._validate(device_block_ids, host_block_ids, True, host_limit)
         if dev.size == 0:
             return 0
         moved, hashes = self._swap_out(dev, host, checksum)
@@ -76,15 +81,17 @@ class BlockCopier(ABC):
             self.host_pool.forget_checksums(host)
         return moved
 
-    def swap_in(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> int:
-        dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=False)
+    def swap_in(
+        self, host_block_ids: BlockIds, device_block_ids: BlockIds, host_limit: int | None = None
+    ) -> int:
+        dev, host = self._validate(device_block_ids, host_block_ids, False, host_limit)
         if dev.size == 0:
             return 0
         return self._swap_in(host, dev, False)[0]
 
     def swap_in_verified(self, host_block_ids: BlockIds, device_block_ids: BlockIds) -> np.ndarray:
         """Copy the pairs whose host block matches its recorded checksum; return which did."""
-        dev, host = self._validate(device_block_ids, host_block_ids, dst_is_host=False)
+        dev, host = self._validate(device_block_ids, host_block_ids, False)
         if dev.size == 0:
             return np.zeros(0, dtype=bool)
         expected, known = self.host_pool.expected_checksums(host)
@@ -145,13 +152,20 @@ class BlockCopier(ABC):
         """Release staging buffers and streams."""
 
     def _validate(
-        self, device_block_ids: BlockIds, host_block_ids: BlockIds, *, dst_is_host: bool
+        self,
+        device_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        dst_is_host: bool,
+        host_limit: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        """The ids as arrays, each checked once: lengths, ranges (host ids below
+        ``host_limit``, default the whole pool), no destination named twice."""
         dev = as_block_ids(device_block_ids, "device_block_ids")
         host = as_block_ids(host_block_ids, "host_block_ids")
         check_same_length(dev, host, "device_block_ids", "host_block_ids")
         self.check_device_ids(dev, destination=not dst_is_host)
-        self.host_pool.check_ids(host, destination=dst_is_host)
+        limit = self.host_pool.num_blocks if host_limit is None else host_limit
+        check_block_ids(host, limit, "host block id", destination=dst_is_host)
         return dev, host
 
 
@@ -174,7 +188,8 @@ class CpuBlockCopier(BlockCopier):
         if _copy is None:
             raise RuntimeError("kvtier._copy is not built; use TorchBlockCopier")
         self.num_threads: int = num_threads or max(1, torch.get_num_threads())
-        self._host_offsets: np.ndarray = np.array(
+        # Where each (layer, part) piece of host block 0 lies.
+        self._host_pieces: np.ndarray = host_pool.block_address(0) + np.array(
             [p.offset_bytes for p in self.spec.pieces], dtype=np.int64
         )
 
@@ -183,14 +198,9 @@ class CpuBlockCopier(BlockCopier):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         base, stride, size = self.device_cache.piece_table()
         # Block-major order: consecutive pieces of one host block are adjacent in memory.
-        dev_ptrs = base[None, :] + dev[:, None] * stride[None, :]
-        host_ptrs = (
-            self.host_pool.block_address(0)
-            + host[:, None] * self.host_pool.stride_bytes
-            + self._host_offsets[None, :]
-        )
-        sizes = np.broadcast_to(size[None, :], dev_ptrs.shape)
-        return dev_ptrs.ravel(), host_ptrs.ravel(), np.ascontiguousarray(sizes).ravel()
+        dev_ptrs = dev[:, None] * stride + base
+        host_ptrs = host[:, None] * self.host_pool.stride_bytes + self._host_pieces
+        return dev_ptrs.ravel(), host_ptrs.ravel(), np.tile(size, dev.size)
 
     def _run(
         self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, num_blocks: int, checksum: bool

@@ -131,14 +131,14 @@ class DataPath:
     # ---- handlers ---------------------------------------------------------------------------
 
     def _swap_out(self, task: SwapOut) -> Outcome:
-        host = self._engine_host_ids(task.host_block_ids)
-        moved = self.copier.swap_out(task.device_block_ids, host)
-        return Outcome(Status.OK, list(task.device_block_ids), bytes_moved=moved)
+        limit = self.layout.engine_blocks  # the engine's share of the host pool
+        moved = self.copier.swap_out(task.device_block_ids, task.host_block_ids, host_limit=limit)
+        return Outcome(Status.OK, task.device_block_ids, bytes_moved=moved)
 
     def _swap_in(self, task: SwapIn) -> Outcome:
-        host = self._engine_host_ids(task.host_block_ids)
-        moved = self.copier.swap_in(host, task.device_block_ids)
-        return Outcome(Status.OK, list(task.device_block_ids), bytes_moved=moved)
+        limit = self.layout.engine_blocks
+        moved = self.copier.swap_in(task.host_block_ids, task.device_block_ids, limit)
+        return Outcome(Status.OK, task.device_block_ids, bytes_moved=moved)
 
     def _lookup(self, task: Lookup, keys: KeyScheme) -> Outcome:
         storage_keys = keys.keys(task.block_hashes)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -174,7 +175,7 @@ class KVCacheSpec:
     def has_scales(self) -> bool:
         return self.dtype is CacheDType.BLOCK_WISE_FP8
 
-    @property
+    @cached_property
     def parts(self) -> tuple[Part, ...]:
         """The tensors of one layer, in page-first order."""
         if self.kv_layout is KVLayout.FUSED:
@@ -207,7 +208,7 @@ class KVCacheSpec:
         assert self.num_extra_blocks is not None
         return self.num_extra_blocks
 
-    @property
+    @cached_property
     def usable_num_blocks(self) -> int:
         """Device block ids valid in every layer (a swap moves all layers of a block)."""
         return min(self.layer_num_blocks(layer) for layer in range(self.total_layers))
@@ -230,17 +231,17 @@ class KVCacheSpec:
             elements *= 2 * self.head_dim
         return elements * _DTYPES[self._dtype_name(part)][1]
 
-    @property
+    @cached_property
     def layer_block_bytes(self) -> int:
         """Bytes of one block of one layer, all parts."""
         return sum(self.part_block_bytes(p) for p in self.parts)
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         """Bytes of one page-first block: every layer and part of one block."""
         return self.total_layers * self.layer_block_bytes
 
-    @property
+    @cached_property
     def pieces(self) -> tuple[Piece, ...]:
         """Every (layer, part) of a page-first block with its offset, in memory order."""
         out: list[Piece] = []
@@ -278,7 +279,7 @@ class KVCacheSpec:
                 d[name] = value
         return d
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """16 hex digits naming the page-first block layout; stable across machines/versions.
 

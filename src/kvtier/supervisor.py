@@ -17,6 +17,7 @@ process exited, or whose peer failed to authenticate, stays lost.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -30,6 +31,7 @@ import msgspec
 from kvtier import tasks as t
 from kvtier.auth import CurveKeys
 from kvtier.connect import client_transport
+from kvtier.direct import DirectCalls
 from kvtier.errors import ProtocolMismatch, TaskTimeout, WorkerError, WorkerLost
 from kvtier.fanin import TaskFuture, aggregate
 from kvtier.ranks import Rank
@@ -37,6 +39,9 @@ from kvtier.ranks import Rank
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.05
+# Health, deadlines, hellos and heartbeats are looked at this often, not on every turn: under
+# load a turn comes every few microseconds, and each look polls every worker process.
+CHECK_INTERVAL_S = 0.01
 HELLO_RESEND_S = 1.0  # until welcomed: a worker that binds late still gets one
 # This thread not running for longer than this (a stalled process) is a stall of its own: the
 # workers' silence meanwhile is not held against them. Turns are POLL_INTERVAL_S apart.
@@ -73,7 +78,8 @@ class Supervisor:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ping: tuple[threading.Event, set[int]] | None = None
+        self._ping: tuple[float, threading.Event, set[int]] | None = None
+        self._ping_stamps = itertools.count(1)
 
     @property
     def running(self) -> bool:
@@ -82,6 +88,7 @@ class Supervisor:
     def open(self) -> None:
         self.transport = client_transport([r.endpoint for r in self.ranks], self._curve)
         self.transport.open()
+        self.direct = DirectCalls(self.ranks, self.transport, self._hello)
         self._thread = threading.Thread(target=self._loop, name="kvtier-client", daemon=True)
         self._thread.start()
 
@@ -107,12 +114,22 @@ class Supervisor:
             self._pending[task.task_id] = Pending(task, future, deadline, expected=expected)
         self._send_all(task)
 
-    def ping(self, timeout_s: float) -> bool:
-        """A heartbeat to every rank; True when all answered within ``timeout_s``."""
-        event = threading.Event()
+    def call(self, task: Any, deadline: float) -> t.Result | None:
+        """``task`` sent and answered on the calling thread (``kvtier.direct``) when nothing
+        is in flight through this thread; None: use ``send``."""
         with self._lock:
-            self._ping = (event, set(range(len(self.ranks))))
-        self._send_all(t.Heartbeat(sent_at=time.time()))
+            if self._pending or self._thread is None:
+                return None
+        return self.direct.call(task, deadline)
+
+    def ping(self, timeout_s: float) -> bool:
+        """A heartbeat to every rank; True when all echoed it within ``timeout_s`` (the
+        periodic heartbeats' answers carry other stamps: they do not count)."""
+        event = threading.Event()
+        stamp = -float(next(self._ping_stamps))  # periodic beats carry the time (> 0)
+        with self._lock:
+            self._ping = (stamp, event, set(range(len(self.ranks))))
+        self._send_all(t.Heartbeat(sent_at=stamp))
         return event.wait(timeout_s)
 
     def stop(self) -> None:
@@ -127,6 +144,7 @@ class Supervisor:
             self._pending.clear()
         for p in leftover:
             p.future.set_exception(WorkerLost("client closed"))
+        self.direct.close()
         self.transport.close()
 
     # ---- the thread -------------------------------------------------------------------------
@@ -136,13 +154,16 @@ class Supervisor:
         self.transport.wake()
 
     def _loop(self) -> None:
-        next_beat = last_turn = time.monotonic()
+        next_beat = last_turn = next_check = time.monotonic()
         while not self._stop.is_set():
             received = self.transport.receive(POLL_INTERVAL_S)
             self._flush_outbox()
             for position, payload in received:
                 self._receive(self.ranks[position], payload)
             now = time.monotonic()
+            if now < next_check:
+                continue  # a busy turn (answers, sends): the checks below wait their time
+            next_check = now + CHECK_INTERVAL_S
             if now - last_turn > STALL_S:
                 self._stalled(now, now - last_turn)
                 next_beat = now
@@ -208,12 +229,12 @@ class Supervisor:
                     r.lost, r.lost_error = message.message, ProtocolMismatch
                 self.ready.notify_all()
         elif isinstance(message, t.Heartbeat):
-            self._on_heartbeat(r)
+            self._on_heartbeat(r, message)
 
-    def _on_heartbeat(self, r: Rank) -> None:
+    def _on_heartbeat(self, r: Rank, beat: t.Heartbeat) -> None:
         ping = self._ping
-        if ping is not None:
-            event, waiting = ping
+        if ping is not None and beat.sent_at == ping[0]:
+            _, event, waiting = ping
             waiting.discard(r.position)
             if not waiting:
                 event.set()

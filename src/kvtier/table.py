@@ -26,10 +26,15 @@ def printable(text: str, keep_newlines: bool = False) -> str:
     return _UNPRINTABLE.sub(escape, text)
 
 
+def _cell(value: Any, fmt: str) -> str:
+    return "" if value is None else printable(format(value, fmt))
+
+
 def render(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> list[str]:
-    """The lines of a table (heading, rule, one line per row): text left, numbers right.
-    Cells are ``printable``: a table never carries control characters to the terminal."""
-    cells = [[printable(format(row[key], fmt)) for key, _, fmt in columns] for row in rows]
+    """The lines of a table (heading, rule, one line per row): text left, numbers right; a
+    row without a column's value (or None) leaves that cell empty. Cells are ``printable``: a
+    table never carries control characters to the terminal."""
+    cells = [[_cell(row.get(key), fmt) for key, _, fmt in columns] for row in rows]
     headings = [heading for _, heading, _ in columns]
     widths = [
         max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)

@@ -1,12 +1,12 @@
 """TaskRunner: where a worker's admitted data tasks run, and how each is answered.
 
 One single-thread executor per direction (swap_out, swap_in, save, load, host_io, lookup), so
-a slow storage write never delays a swap-in; FIFO within a direction. A small swap whose
-direction is idle runs on the loop thread right after admission (no thread hand-off either
-way; FIFO holds because nothing is queued ahead). Save threads run at a lower priority: saves
-are off the engine's critical path, and on a machine whose cores the engine keeps busy (vLLM on
-CPU runs OpenMP on every core; one preempted thread stalls a whole parallel region) they take
-idle time rather than the engine's.
+a slow storage write never delays a swap-in; FIFO within a direction. A small swap, or a lookup
+of a store that answers from memory, whose direction is idle runs on the loop thread right
+after admission (no thread hand-off either way; FIFO holds because nothing is queued ahead).
+Save threads run at a lower priority: saves are off the engine's critical path, and on a
+machine whose cores the engine keeps busy (vLLM on CPU runs OpenMP on every core; one
+preempted thread stalls a whole parallel region) they take idle time rather than the engine's.
 
 Every task gets exactly one Result: its outcome, an error naming the cause (a ``KvtierError``
 from bad input, or an internal error, logged with its traceback: the worker goes on), or
@@ -35,9 +35,10 @@ from kvtier.worker_stats import TaskCounters
 
 log = logging.getLogger(__name__)
 
-# Swaps this small run on the loop thread when their direction is idle (microseconds of copying).
+# Swaps this small run on the loop thread when their direction is idle (microseconds of copying),
+# and so do lookups of a store that answers them from memory (``quick_lookups``).
 INLINE_MAX_BLOCKS = 4
-INLINE_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN)
+INLINE_TASKS = (t.SwapOut, t.SwapIn)
 QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
 BACKGROUND_DIRECTIONS = (t.Direction.SAVE,)
 BACKGROUND_NICE = 10
@@ -85,18 +86,20 @@ class TaskRunner:
             busy = self._busy[direction]
             self._busy[direction] += 1
             self._queued[direction] += 1
-        if (
-            not busy
-            and direction in INLINE_DIRECTIONS
-            and threading.get_ident() == self.loop_ident
-            and len(task.device_block_ids) <= INLINE_MAX_BLOCKS
-        ):
+        if not busy and threading.get_ident() == self.loop_ident and self._quick(task):
             self._inline.append(item)
             return
         future = self.executors[direction].submit(self._run, item)
         with self._lock:
             self._pending[future] = item
         future.add_done_callback(self._forget)
+
+    def _quick(self, task: Any) -> bool:
+        """Small swaps, and lookups where the store answers from memory: microseconds."""
+        if isinstance(task, t.Lookup):
+            storage = self.resources.storage
+            return storage is not None and storage.quick_lookups
+        return isinstance(task, INLINE_TASKS) and len(task.device_block_ids) <= INLINE_MAX_BLOCKS
 
     def run_inline(self) -> None:
         """The small swaps admitted on the loop thread, run there now."""

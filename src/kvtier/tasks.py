@@ -12,6 +12,7 @@ message can never nest deeper than three levels, whatever a peer sends.
 
 from __future__ import annotations
 
+import typing
 from enum import Enum, IntEnum
 from typing import Annotated, Any
 
@@ -214,6 +215,19 @@ DIRECTIONS: dict[type, Direction] = {
     LoadHost: Direction.HOST_IO,
     Lookup: Direction.LOOKUP,
 }
+
+
+# Per data task type, its list fields (block ids and hashes): what a task weighs.
+def _list_fields(kind: type) -> tuple[str, ...]:
+    def is_list(tp: Any) -> bool:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        return typing.get_origin(tp) is list
+
+    return tuple(f.name for f in msgspec.structs.fields(kind) if is_list(f.type))
+
+
+LIST_FIELDS: dict[type, tuple[str, ...]] = {kind: _list_fields(kind) for kind in DATA_TASKS}
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -8,6 +8,8 @@ Two interfaces, each with two implementations chosen by the endpoint's scheme
   thread only); ``send`` answers a peer from any thread.
 - ``ClientTransport`` (the engine's end): one connection per rank; ``receive`` and ``send`` from
   the client's I/O thread only; ``wake`` (any thread) makes a pending ``receive`` return.
+  ``channel`` opens a ``Channel``: a calling thread's own connection to every rank, so a
+  synchronous call needs no hand-off to the I/O thread and back (``kvtier.direct``).
 
 ``ipc://`` and ``tcp://`` endpoints use ZeroMQ (ROUTER / DEALER). ``local://NAME`` is an
 in-process pair of queues: a worker and a client in one process, for tests and single-process
@@ -76,10 +78,30 @@ class ClientTransport(ABC):
     def wake(self) -> None:
         """Any thread: make a pending or the next ``receive`` return at once."""
 
+    def channel(self) -> Channel | None:
+        """A new connection to every rank for one calling thread, or None where the transport
+        has none (in-process: calls go through the I/O thread)."""
+        return None
+
     def failed_handshakes(self, rank: int) -> int:
         """I/O thread only: handshakes with ``rank``'s endpoint that failed since the last one
         that succeeded (a peer that cannot prove it is the worker). 0 without authentication."""
         return 0
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Channel(ABC):
+    """One thread's own connection to every rank (``ClientTransport.channel``): that thread
+    alone sends and receives on it; ``close`` may come from another thread once it is idle."""
+
+    @abstractmethod
+    def send(self, rank: int, payload: bytes) -> None: ...
+
+    @abstractmethod
+    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        """(rank, payload) pairs that arrived, waiting up to ``timeout_s`` for the first."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -12,7 +12,7 @@ import zmq
 
 from kvtier.auth import CurveKeys
 from kvtier.tasks import MAX_MESSAGE_BYTES
-from kvtier.transport import ClientTransport, Peer, ServerTransport
+from kvtier.transport import Channel, ClientTransport, Peer, ServerTransport
 from kvtier.zmq_auth import HandshakeWatch, ZapHandler
 
 HWM_MESSAGES = 100_000
@@ -123,11 +123,8 @@ class ZmqServer(ServerTransport):
             self._forward_answers()
         out = []
         if self.router in events:
-            while True:
-                try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            while _readable(self.router):
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
                 if len(frames) >= 2:
                     out.append((frames[0], frames[-1]))
         return out
@@ -175,12 +172,8 @@ class ZmqClient(ClientTransport):
         self.poller.register(self._wake_pull, zmq.POLLIN)
         self.sockets = []
         for rank, endpoint in enumerate(self.endpoints):
-            sock = configure(self.context.socket(zmq.DEALER))
-            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            sock = dealer(self.context, endpoint, self.curve, connect=False)
             if self.curve is not None and endpoint.startswith("tcp://"):
-                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve.server_public)
-                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.client_public)
-                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.client_secret)
                 watch = self._watches[rank] = HandshakeWatch(sock)
                 self.poller.register(watch.monitor, zmq.POLLIN)
             sock.connect(endpoint)
@@ -188,6 +181,9 @@ class ZmqClient(ClientTransport):
             self.sockets.append(sock)
         self._rank_of = {sock: rank for rank, sock in enumerate(self.sockets)}
         self._watch_of = {w.monitor: w for w in self._watches.values()}
+
+    def channel(self) -> ZmqChannel:
+        return ZmqChannel(self.context, self.endpoints, self.curve)
 
     def failed_handshakes(self, rank: int) -> int:
         watch = self._watches.get(rank)
@@ -204,11 +200,8 @@ class ZmqClient(ClientTransport):
                 self._watch_of[sock].read()
                 continue
             rank = self._rank_of[sock]
-            while True:
-                try:
-                    out.append((rank, sock.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
+            while _readable(sock):
+                out.append((rank, sock.recv(zmq.NOBLOCK)))
         return out
 
     def send(self, rank: int, payload: bytes) -> None:
@@ -229,6 +222,57 @@ class ZmqClient(ClientTransport):
             sock.close(linger=0)
         self._wake_pull.close(linger=0)
         self.context.term()
+
+
+class ZmqChannel(Channel):
+    """A DEALER per rank, for one calling thread (``kvtier.direct``)."""
+
+    def __init__(
+        self, context: zmq.Context, endpoints: Sequence[str], curve: CurveKeys | None
+    ) -> None:
+        self.sockets = [dealer(context, endpoint, curve) for endpoint in endpoints]
+        self._rank_of = {sock: rank for rank, sock in enumerate(self.sockets)}
+        self.poller = zmq.Poller()
+        for sock in self.sockets:
+            self.poller.register(sock, zmq.POLLIN)
+
+    def send(self, rank: int, payload: bytes) -> None:
+        try:  # a rank with no live connection: its answer never comes; the call times out
+            self.sockets[rank].send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        out = []
+        for sock, _ in self.poller.poll(int(timeout_s * 1000)):
+            rank = self._rank_of[sock]
+            while _readable(sock):
+                out.append((rank, sock.recv(zmq.NOBLOCK)))
+        return out
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+
+
+def dealer(
+    context: zmq.Context, endpoint: str, curve: CurveKeys | None, connect: bool = True
+) -> zmq.Socket:
+    """A client DEALER for ``endpoint``; on ``tcp://`` with ``curve`` it pins the worker's key."""
+    sock = configure(context.socket(zmq.DEALER))
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    if curve is not None and endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret)
+    if connect:
+        sock.connect(endpoint)
+    return sock
+
+
+def _readable(sock: zmq.Socket) -> bool:
+    """A whole message waits (no exception raised and caught per empty read)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _drain(sock: zmq.Socket) -> None:

@@ -198,8 +198,8 @@ class Worker:
                 stopping = refusal is Refusal.STOPPING
                 status = t.Status.CANCELLED if stopping else t.Status.ERROR
                 self._answer(peer, message.task_id, status, refusal.value)
-        elif isinstance(message, t.Heartbeat):
-            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=time.time())))
+        elif isinstance(message, t.Heartbeat):  # its stamp echoed: a ping finds its answer
+            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
         elif isinstance(message, t.Control):
             self.control.receive(peer, message)
         elif isinstance(message, t.Shutdown):
@@ -214,7 +214,7 @@ class Worker:
     def _observe(self, peer: Peer, message: t.Message) -> None:
         """An observer (``kvtier status``): stats and heartbeats only, no proof of engine life."""
         if isinstance(message, t.Heartbeat):
-            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=time.time())))
+            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
         elif isinstance(message, t.Control) and message.method == "stats":
             self.control.receive(peer, message)
         elif (task_id := getattr(message, "task_id", None)) is not None:
@@ -336,5 +336,4 @@ class Worker:
 def _weigh(item: Item) -> tuple[Peer, int]:
     """A task's owner (its peer) and size: every block id and hash it carries."""
     peer, task, _ = item
-    lists = (getattr(task, name) for name in task.__struct_fields__)
-    return peer, sum(len(value) for value in lists if isinstance(value, list))
+    return peer, sum(len(getattr(task, name)) for name in t.LIST_FIELDS[type(task)])

@@ -114,6 +114,9 @@ class StorageBackend(ABC):
     """One storage tier. See the module docstring for the contract."""
 
     kind: str = "abstract"
+    # ``exists_prefix`` answers from this process's memory in microseconds (no I/O, no lock
+    # held across I/O): a worker then answers lookups on its loop thread, with no hand-off.
+    quick_lookups: bool = False
 
     def __init__(self, spec: KVCacheSpec, mac_key: bytes | None = None) -> None:
         self.spec = spec

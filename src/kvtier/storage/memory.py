@@ -19,6 +19,7 @@ class MemoryStore(StorageBackend):
     corruption and fingerprint checks run exactly as for the other backends."""
 
     kind = "memory"
+    quick_lookups = True
     supports_scattered_reads = True
     exposes_registered_memory = False
     persistent = False
@@ -29,13 +30,16 @@ class MemoryStore(StorageBackend):
         super().__init__(spec, mac_key)
         self.capacity_bytes = capacity_bytes
         self._objects: OrderedDict[str, bytes] = OrderedDict()
+        # Stored objects whose header is known sound: written by a put here, or checked once.
+        # (An object is immutable; only ``write_object`` replaces one, and it is checked again.)
+        self._sound: set[str] = set()
         self._used = 0
         self._lock = threading.Lock()
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """Counts an object only if its header is sound (the payload is checked on reads)."""
         for n, key in enumerate(keys):
-            if not self._header_ok(key):
+            if key not in self._sound and not self._header_ok(key):
                 return n
         return len(keys)
 
@@ -52,6 +56,9 @@ class MemoryStore(StorageBackend):
             self._corrupt(key, e)
             self.delete([key])
             return False
+        with self._lock:
+            if self._objects.get(key) is data:
+                self._sound.add(key)
         return True
 
     def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
@@ -111,7 +118,7 @@ class MemoryStore(StorageBackend):
                 continue
             payload = b"".join(bytes(v) for v in views)
             header = self.format.header(key, [payload])
-            self._store(key, header + payload)
+            self._store(key, header + payload, sound=True)
         return self._count_puts([True] * len(keys))
 
     def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
@@ -122,19 +129,25 @@ class MemoryStore(StorageBackend):
             payload = block.numpy()
             known = checksums[i] if checksums is not None else None
             header = self.format.header(key, [payload], known)
-            self._store(key, header + payload.tobytes())
+            self._store(key, header + payload.tobytes(), sound=True)
         return self._count_puts([True] * len(keys))
 
-    def _store(self, key: str, data: bytes) -> None:
+    def _store(self, key: str, data: bytes, sound: bool = False) -> None:
+        """``sound``: the header was built here (else it is checked when first looked up)."""
         with self._lock:
             old = self._objects.pop(key, None)
             self._used -= len(old) if old is not None else 0
             self._objects[key] = data
             self._used += len(data)
+            if sound:
+                self._sound.add(key)
+            else:
+                self._sound.discard(key)
             evicted = []
             while self.capacity_bytes is not None and self._used > self.capacity_bytes:
                 victim_key, victim = self._objects.popitem(last=False)
                 self._used -= len(victim)
+                self._sound.discard(victim_key)
                 evicted.append(victim_key)
         if evicted:
             self.stats.add(evictions=len(evicted))
@@ -145,6 +158,7 @@ class MemoryStore(StorageBackend):
         with self._lock:
             for key in keys:
                 data = self._objects.pop(key, None)
+                self._sound.discard(key)
                 if data is not None:
                     self._used -= len(data)
                     removed += 1
