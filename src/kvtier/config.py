@@ -85,6 +85,14 @@ def endpoint_for(instance_id: str, rank: int, socket_dir: Path | None = None) ->
     return f"ipc://{path}"
 
 
+def check_instance_id(instance_id: object) -> None:
+    """ConfigError unless ``instance_id`` names workers, caches and sockets safely."""
+    if not isinstance(instance_id, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", instance_id):
+        raise ConfigError(
+            "instance_id", f"must be 1-64 letters, digits, '._-', got {instance_id!r}"
+        )
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     spec: KVCacheSpec
@@ -111,10 +119,7 @@ class WorkerConfig:
     cpu_cores: str | None = None  # a CPU list ("1", "0,2-3"); default: the cores it started on
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.instance_id or ""):
-            raise ConfigError(
-                "instance_id", f"must be 1-64 letters, digits, '._-', got {self.instance_id!r}"
-            )
+        check_instance_id(self.instance_id)
         _int_at_least("world_size", self.world_size, 1)
         _int_at_least("rank", self.rank, 0)
         if self.rank >= self.world_size:

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.config import check_instance_id
 from kvtier.errors import ConfigError
 from kvtier.interrupts import CleanupStack
 from kvtier.table import printable
@@ -20,11 +21,59 @@ if TYPE_CHECKING:
     from kvtier.demo import Workload
 
 MAX_RANKS = 64
+RANKS_PER_CORE = 4  # each rank is a process with its own threads: past this, it only crawls
+PROBE_TIMEOUT_S = 3.0  # a Mooncake master on the given address must accept a connection by then
+
+
+def check_demo_options(args: Any) -> None:
+    """What ``kvtier demo`` refuses before it starts anything, each naming its option."""
+    check_ranks(args.ranks)
+    if args.instance_id is not None:
+        check_instance_id(args.instance_id)
+    for option in ("mooncake_master", "mooncake_metadata"):
+        if getattr(args, option) and args.backend != "mooncake":
+            flag = "--" + option.replace("_", "-")
+            raise ConfigError(
+                option,
+                f"{flag} applies only with --backend mooncake (the backend is {args.backend})",
+            )
+    if args.keep_store is not None:
+        if args.backend != "file":
+            raise ConfigError("keep_store", f"keeps a file store; the backend is {args.backend}")
+        check_keep_store(Path(args.keep_store))
+    if args.mooncake_master:
+        probe_master(args.mooncake_master)
 
 
 def check_ranks(ranks: int) -> None:
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
         raise ConfigError("ranks", f"must be an integer in 1..{MAX_RANKS}, got {ranks!r}")
+    cores = len(os.sched_getaffinity(0))
+    if ranks > RANKS_PER_CORE * cores:
+        raise ConfigError(
+            "ranks",
+            f"{ranks} ranks on {cores} CPU core{'s' if cores != 1 else ''}: each rank is a "
+            f"worker process with its own threads; at most {RANKS_PER_CORE * cores} here "
+            f"({RANKS_PER_CORE} per core)",
+        )
+
+
+def probe_master(address: str) -> None:
+    """ConfigError unless something accepts a TCP connection at ``address`` (host:port)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("mooncake_master", f"must be host:port, got {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            "mooncake_master",
+            f"nothing answers at {address} ({e.strerror or e}): start mooncake_master there, "
+            "or leave --mooncake-master out to start one on loopback",
+        ) from None
 
 
 STORE_ENTRIES = frozenset({"objects", "tmp"})  # what a file store's root holds
@@ -33,7 +82,14 @@ STORE_ENTRIES = frozenset({"objects", "tmp"})  # what a file store's root holds
 def check_keep_store(path: Path) -> None:
     """``--keep-store`` takes a new or empty directory, or a kvtier file store (an earlier
     ``--keep-store``): never a directory of other things, which the store would write into, nor
-    one another user controls (``kvtier.user_dirs``: checked before anything in it is read)."""
+    one another user controls (``kvtier.user_dirs``: checked before anything in it is read).
+    Its parent must exist: a mistyped path is not made, parents and all."""
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(
+            "keep_store",
+            f"{parent} does not exist: create it first, or name a directory inside one that does",
+        )
     try:
         fd, _ = open_user_directory(path, 0o700, "keep_store")
     except OSError as e:
@@ -90,6 +146,8 @@ def run_demo(
             w, storage, ranks, write_policy=write_policy, progress=progress, instance_id=instance_id
         )
         result["backend"] = backend
+        if keep_store is not None:
+            result["kept_store"] = os.path.abspath(keep_store)
         return result
     raise AssertionError("unreachable")
 
@@ -130,3 +188,5 @@ def print_demo(r: dict) -> None:
             print(f"  {kind:<16}{r['bytes'][kind] / 2**20:>10.1f}{r['gbps'].get(kind, 0):>9.2f}")
     print(f"  time in kvtier per request: {r['kvtier_ms_per_request']:.2f} ms")
     print(f"  integrity: {r['blocks_verified']} of {r['blocks_checked']} blocks verified")
+    if "kept_store" in r:
+        print(f"  file store kept in {r['kept_store']} (kvtier store stats {r['kept_store']})")

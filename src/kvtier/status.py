@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from kvtier.cli_args import positive_number
+from kvtier.cli_args import DefaultsFormatter, positive_number
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import age, render, size
 
@@ -42,7 +42,7 @@ def add_status(sub, common: argparse.ArgumentParser) -> None:
         help="state, weight version, queues and counters of a running instance's workers",
         description="Ask each worker of a running instance for its state and counters. Give the "
         "instance id (its ipc:// sockets are found) or the endpoints in rank order.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     p.add_argument("instance", nargs="?", help="instance id of the engine's workers")
     p.add_argument("--endpoint", action="append", default=[], help="a worker endpoint; repeatable")

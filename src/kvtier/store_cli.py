@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from kvtier.cli_args import byte_size, duration
+from kvtier.cli_args import DefaultsFormatter, byte_size, duration
 from kvtier.errors import ConfigError
 from kvtier.table import age, print_table, printable, size
 
@@ -30,7 +30,7 @@ def add_store(sub, common: argparse.ArgumentParser) -> None:
         "object is a miss for them, never an error.",
     )
     actions = store.add_subparsers(dest="store_action", required=True, metavar="ACTION")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsFormatter
 
     stats = actions.add_parser(
         "stats",
@@ -119,12 +119,16 @@ def _stats(args: argparse.Namespace) -> int:
                 "bytes": total,
                 "size": size(total),
                 "last_used": age(now - max(o.mtime for o in members)) + " ago",
+                "last_used_s": round(now - max(o.mtime for o in members), 3),
+                "last_used_unix": float(max(o.mtime for o in members)),
             }
         )
     bad = [o for o in objects if o.problem and not o.foreign]
     foreign = [o for o in objects if o.foreign]
-    if args.json:
+    if args.json:  # numbers for programs: seconds and bytes, not "2s ago" and "1.2 MiB"
         for row in rows:
+            row.pop("size")
+            row.pop("last_used")
             print(json.dumps(row))
         print(
             json.dumps(
