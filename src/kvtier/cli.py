@@ -354,12 +354,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    previous = _raise_on_sigterm()
+    previous = _take_interrupts()
     try:
         return _run(args.func, args)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -380,19 +380,26 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         return 130
 
 
-def _raise_on_sigterm():
-    """SIGTERM becomes an exception in the main thread, so cleanup runs as for Ctrl-C.
+def _take_interrupts() -> dict[int, Any]:
+    """SIGTERM becomes an exception in the main thread, so cleanup runs as for Ctrl-C; and
+    Ctrl-C is taken even where the shell started kvtier ignoring it (a ``cmd &`` job): the
+    workers kvtier starts stop on it (they share the terminal's process group), so kvtier itself
+    must too, or it would find them gone and fail instead of ending with 130. Returns the
+    handlers replaced.
 
-    ``kvtier serve`` installs its own handlers (a graceful worker stop) over this one.
+    ``kvtier serve`` installs its own handlers (a graceful worker stop) over these.
     """
 
     def handler(signum, frame):
         raise Terminated()
 
+    previous: dict[int, Any] = {}
     try:
-        return signal.signal(signal.SIGTERM, handler)
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     except ValueError:  # not the main thread (tests calling main() from a thread)
-        return None
+        pass
+    return previous
 
 
 def run() -> None:
