@@ -14,6 +14,9 @@ import numpy as np
 from kvtier.errors import InvalidBlockIds
 
 
+SMALL = 16  # lists up to this long are checked in Python
+
+
 def as_block_ids(ids: Any, what: str) -> np.ndarray:
     """Block ids as a 1-D int64 array; anything else is an InvalidBlockIds naming ``what``."""
     if hasattr(ids, "detach"):  # a torch tensor
@@ -34,11 +37,16 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
 def check_block_ids(ids: np.ndarray, limit: int, what: str, *, destination: bool = False) -> None:
     """Every id of ``ids`` in ``0..limit-1``; a ``destination`` names no block twice.
     ``what`` names one id in messages ("device block id")."""
-    if not ids.size or (ids.min() >= 0 and ids.max() < limit):
-        bad = ids[:0]
-    else:
+    if ids.size <= SMALL:  # a swap of a few blocks: Python is faster than numpy's calls
+        small = ids.tolist()
+        if small and (min(small) < 0 or max(small) >= limit):
+            bad = next(i for i in small if not 0 <= i < limit)
+            raise InvalidBlockIds(f"{what} {bad} out of range 0..{limit - 1}")
+        if destination and len(set(small)) < len(small):
+            raise InvalidBlockIds(f"{what} {first_duplicate(ids)} appears twice as a destination")
+        return
+    if not (ids.min() >= 0 and ids.max() < limit):
         bad = ids[(ids < 0) | (ids >= limit)]
-    if bad.size:
         raise InvalidBlockIds(f"{what} {int(bad[0])} out of range 0..{limit - 1}")
     if destination:
         duplicate = first_duplicate(ids)

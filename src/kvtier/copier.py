@@ -197,6 +197,12 @@ class CpuBlockCopier(BlockCopier):
         self, dev: np.ndarray, host: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         base, stride, size = self.device_cache.piece_table()
+        if dev.size == 1:  # the common small swap: no broadcasting needed
+            return (
+                base + int(dev[0]) * stride,
+                self._host_pieces + int(host[0]) * self.host_pool.stride_bytes,
+                size,
+            )
         # Block-major order: consecutive pieces of one host block are adjacent in memory.
         dev_ptrs = dev[:, None] * stride + base
         host_ptrs = host[:, None] * self.host_pool.stride_bytes + self._host_pieces
