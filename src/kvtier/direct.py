@@ -40,6 +40,10 @@ CHECK_INTERVAL_S = 0.05
 HELLO_WAIT_S = 5.0
 
 
+# Calling threads that get their own connection; later ones go through the I/O thread (an
+# engine calls from a few long-lived threads; one making a thread per call must not pile up
+# sockets, nor peers at every worker).
+MAX_LINES = 32
 CLOSE_WAIT_S = 1.0  # close() waits this long for a call under way to notice and leave
 
 
@@ -129,7 +133,7 @@ class DirectCalls:
 
     def _open(self) -> _Line | None:
         with self._lock:
-            if self._closed:
+            if self._closed or len(self._lines) >= MAX_LINES:
                 return None
             channel = self._transport.channel()
             if channel is None:

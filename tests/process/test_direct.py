@@ -134,3 +134,18 @@ def test_a_heartbeat_is_echoed_with_its_own_stamp(tmp_path) -> None:
             sock.close(linger=0)
             context.term()
         assert client.ping() > 0
+
+
+def test_threads_past_the_bound_go_through_the_io_thread(tmp_path, monkeypatch) -> None:
+    """A thread made per call must not pile up sockets (and peers at every worker)."""
+    import kvtier.direct
+
+    monkeypatch.setattr(kvtier.direct, "MAX_LINES", 2)
+    with engine(tmp_path, world_size=1) as (client, _):
+        answers: list = []
+        for _ in range(4):
+            thread = threading.Thread(target=lambda: answers.append(client.swap_out([2], [1])))
+            thread.start()
+            thread.join(30)
+        assert [a.blocks for a in answers] == [[2]] * 4
+        assert _lines(client) == 2
