@@ -13,7 +13,6 @@ import numpy as np
 
 from kvtier.errors import InvalidBlockIds
 
-
 SMALL = 16  # lists up to this long are checked in Python
 
 

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from kvtier.table import parse_duration, parse_size
 
 PLOT_INSTALL = "pip install 'kvtier[plot]'"
+WRITE_POLICIES = ("write_through", "write_back")  # the engine-side index's (kvtier.index)
 
 
 class Parser(argparse.ArgumentParser):
