@@ -23,6 +23,24 @@ def _lines(client) -> int:
     return len(client._io.direct._lines)
 
 
+def _slow_lookup_in_a_thread(client) -> tuple[threading.Thread, list]:
+    """A lookup under way on another thread (the slow store holds it); its one outcome, an
+    answer or an exception, lands in the list. (The pause only makes it likely the call is
+    waiting when the test acts; the tests hold either way.)"""
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append(client.lookup(hashes(1), timeout_s=60))
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)
+    return thread, outcome
+
+
 def test_a_call_runs_on_the_calling_threads_own_connection_and_moves_bytes(tmp_path) -> None:
     with engine(tmp_path) as (client, caches):
         client.swap_out([3], [5])
@@ -57,17 +75,7 @@ def test_answers_that_come_after_a_call_gave_up_are_dropped(tmp_path) -> None:
 
 def test_a_call_fails_as_soon_as_a_rank_it_waits_for_is_lost(tmp_path) -> None:
     with engine(tmp_path, storage=SLOW_STORE) as (client, _):
-        outcome: list = []
-
-        def call() -> None:
-            try:
-                outcome.append(client.lookup(hashes(1), timeout_s=60))
-            except Exception as e:
-                outcome.append(e)
-
-        thread = threading.Thread(target=call)
-        thread.start()
-        time.sleep(0.3)
+        thread, outcome = _slow_lookup_in_a_thread(client)
         start = time.monotonic()
         os.kill(client.pids[1], signal.SIGKILL)
         thread.join(FAST["worker_timeout_s"])
@@ -96,17 +104,7 @@ def test_a_call_waits_its_turn_behind_tasks_in_flight(tmp_path) -> None:
 
 def test_closing_the_client_ends_a_call_under_way(tmp_path) -> None:
     with engine(tmp_path, storage=SLOW_STORE) as (client, _):
-        outcome: list = []
-
-        def call() -> None:
-            try:
-                outcome.append(client.lookup(hashes(1), timeout_s=60))
-            except Exception as e:
-                outcome.append(e)
-
-        thread = threading.Thread(target=call)
-        thread.start()
-        time.sleep(0.3)
+        thread, outcome = _slow_lookup_in_a_thread(client)
         start = time.monotonic()
         client.close()
         thread.join(10)
