@@ -60,7 +60,7 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         description="Run one worker. Settings come from --config YAML, then KVTIER_<FIELD> "
         "variables, then these flags (flags win). The old engine's flags are accepted too.",
     )
-    serve.add_argument("--config", help="YAML file with worker settings (see README)")
+    serve.add_argument("--config", help="YAML file with worker settings (see docs/operating.md)")
     # Set by kvtier.launcher: its YAML is the whole resolved config; the environment was read.
     serve.add_argument("--config-is-complete", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--rank", type=integer(0))
