@@ -160,6 +160,18 @@ def require_vllm() -> None:
         pytest.skip(f"vLLM not usable: {e} (README, command 2)", allow_module_level=True)
 
 
+def require_namespaces() -> None:
+    """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=netns) where this process cannot
+    make network namespaces (not root, or no ``ip``/``unshare``)."""
+    from netcheck import namespaces_unavailable
+
+    why = namespaces_unavailable()
+    if why:
+        if "netns" in REQUIRED:
+            pytest.fail(f"network namespaces are required here (KVTIER_TESTS_REQUIRE): {why}")
+        pytest.skip(why)
+
+
 MODEL_TIMEOUT_S = 600  # building and saving 45 M random parameters, beside a CPU hog
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import require_mooncake
+from conftest import require_mooncake, require_namespaces
 from kvtier import bindguard
 from kvtier.client import Client
 from kvtier.config import WorkerConfig
 from kvtier.device import DeviceCache, cache_name
-from netcheck import Namespaces, listeners, namespaces_unavailable, start_role
+from netcheck import Namespaces, listeners, start_role
 from worker_helpers import FAST, WSPEC, block, engine, fill, hashes, same
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
@@ -75,9 +75,7 @@ def test_on_one_machine_everything_listens_on_loopback_only(tmp_path) -> None:
 def test_a_cluster_in_private_networks_moves_bytes_and_listens_only_where_configured(
     tmp_path,
 ) -> None:
-    why = namespaces_unavailable()
-    if why:
-        pytest.skip(why)
+    require_namespaces()
     roles = ["master", "node", "saver", "loader"]
     started: list[subprocess.Popen] = []
     caches: list[DeviceCache] = []

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import require_mooncake, require_vllm
+from conftest import require_mooncake, require_namespaces, require_vllm
 from kvtier import auth
 from kvtier_bench.vllm_server import Server
-from netcheck import Namespaces, namespaces_unavailable, start_role
+from netcheck import Namespaces, start_role
 
 BLOCK = 128
 PROMPTS = [[(7 * i + 13 * j) % 900 + 30 for j in range(700)] for i in range(3)]  # 5 blocks each
@@ -35,9 +35,7 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two ranks on two cores (reserv
 def cluster(model, tmp_path_factory):
     require_vllm()
     require_mooncake()
-    why = namespaces_unavailable()
-    if why:
-        pytest.skip(why)
+    require_namespaces()
     root = tmp_path_factory.mktemp("cluster")
     auth.write_key(root / "mac.key")
     with Namespaces(["master", "node", "a", "b", "c"], subnet=78, reach_from_root=True) as net:

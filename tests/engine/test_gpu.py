@@ -23,7 +23,10 @@ from kvtier.spec import KVCacheSpec, Part
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the device machine)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs CUDA (on a GPU machine: bash bench/device_check.sh)",
+    ),
 ]
 
 LAYOUTS = {
