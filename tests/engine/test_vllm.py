@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -167,9 +168,15 @@ def test_tensor_parallel_2_in_vllms_multiprocess_mode(reference, model, tmp_path
     ref = reference["reference"]["tokens"][:2]
     assert phases["first"]["tokens"] == ref
     assert phases["hits"]["tokens"] == ref and external_hits(phases["hits"]) > 0
-    # Per-rank objects: two ranks never share a key.
+    # Per-rank objects: two ranks never share a key. Had they, the second rank would find the
+    # first one's object stored and skip it: nothing is skipped, and each rank wrote its half.
+    from kvtier.storage.file_admin import scan
+
     files = list((tmp_path / "store" / "objects").rglob("*.kvb"))
     assert len(files) == phases["first_saves"]["written"]  # both ranks' objects
+    assert phases["first_saves"]["skipped"] == 0
+    per_rank = Counter(o.parts.rank for o in scan(str(tmp_path / "store")) if o.parts)
+    assert set(per_rank) == {0, 1} and per_rank[0] == per_rank[1] == len(files) // 2, per_rank
 
 
 def test_storage_down_costs_a_recompute_never_a_hang(reference, model) -> None:
