@@ -9,7 +9,7 @@ anyway can send and receive itself: each calling thread gets its own connection 
 What stays with the I/O thread: heartbeats and each rank's health (a direct call fails with
 ``WorkerLost`` as soon as the I/O thread loses a rank it waits for, and with ``TaskTimeout`` at
 its deadline: never a hang), and every asynchronous task. A direct call is taken only while no
-asynchronous task is in flight (``Supervisor.idle``), so tasks of one direction still reach a
+asynchronous task is in flight (``Supervisor.call`` looks), so tasks of one direction still reach a
 worker in the order they were submitted. Answers that come after their call gave up (timed out,
 interrupted) are dropped by task id. A thread whose hello was not accepted in time goes through
 the I/O thread.
@@ -38,8 +38,6 @@ CHECK_INTERVAL_S = 0.05
 # A new thread's hello must be welcomed by every rank within this; if not, that thread's calls
 # go through the I/O thread (a rank that is slow now is the I/O thread's to judge).
 HELLO_WAIT_S = 5.0
-
-
 # Calling threads that get their own connection; later ones go through the I/O thread (an
 # engine calls from a few long-lived threads; one making a thread per call must not pile up
 # sockets, nor peers at every worker).
@@ -78,7 +76,6 @@ class DirectCalls:
         line = self._line()
         if line is None:
             return None
-        self._check_ranks(task)
         payload = t.encode(task)
         with line.lock:  # close() waits for it: a socket is closed only between calls
             self._check_ranks(task)

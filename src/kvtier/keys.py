@@ -171,16 +171,12 @@ class KeyScheme:
 def check_block_hashes(block_hashes: Sequence[object]) -> None:
     """InvalidBlockHash naming the first hash of ``block_hashes`` that is not bytes of an
     accepted length (C-speed when all are: a lookup carries thousands)."""
-    lengths = (
-        set(map(len, typing.cast("Sequence[bytes]", block_hashes)))
-        if set(map(type, block_hashes)) <= {bytes}
-        else None
-    )
-    if lengths is None or (
-        lengths and not MIN_HASH_BYTES <= min(lengths) <= max(lengths) <= MAX_HASH_BYTES
-    ):
-        for i, h in enumerate(block_hashes):
-            check_block_hash(h, i)
+    if set(map(type, block_hashes)) <= {bytes}:
+        lengths = set(map(len, typing.cast("Sequence[bytes]", block_hashes)))
+        if not lengths or MIN_HASH_BYTES <= min(lengths) <= max(lengths) <= MAX_HASH_BYTES:
+            return
+    for i, h in enumerate(block_hashes):  # the slow way, to name the first bad one
+        check_block_hash(h, i)
 
 
 def check_block_hash(block_hash: object, index: int | None = None) -> None:

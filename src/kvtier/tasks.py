@@ -217,7 +217,6 @@ DIRECTIONS: dict[type, Direction] = {
 }
 
 
-# Per data task type, its list fields (block ids and hashes): what a task weighs.
 def _list_fields(kind: type) -> tuple[str, ...]:
     def is_list(tp: Any) -> bool:
         if typing.get_origin(tp) is Annotated:
@@ -227,6 +226,7 @@ def _list_fields(kind: type) -> tuple[str, ...]:
     return tuple(f.name for f in msgspec.structs.fields(kind) if is_list(f.type))
 
 
+# Per data task type, its list fields (block ids and hashes): what a task weighs.
 LIST_FIELDS: dict[type, tuple[str, ...]] = {kind: _list_fields(kind) for kind in DATA_TASKS}
 
 _encoder = msgspec.msgpack.Encoder()
