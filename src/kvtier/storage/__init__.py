@@ -20,7 +20,10 @@ __all__ = [
     "StorageBackend",
     "StorageStats",
     "StorageUsage",
+    "describe_backend",
     "make_backend",
+    "mooncake_options",
+    "tier_configs",
     "validate_storage_config",
 ]
 MEMORY_OPTIONS = ("capacity_bytes",)
@@ -41,8 +44,78 @@ MAC_KEY_FILE = "mac_key_file"
 MAC_KEY_ENV = "KVTIER_STORAGE_MAC_KEY"
 
 
+# A tier chain (kvtier.storage.tiers): ``tiers`` is a list of backend mappings, fastest first.
+CHAIN_OPTIONS = ("tiers", "write", "pending_bytes", "flush_timeout_s", MAC_KEY_FILE)
+WRITE_MODES = ("through", "back")
+
+
+def tier_configs(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The backend mappings of ``config``: its tiers, or ``[config]`` for one backend."""
+    tiers = config.get("tiers")
+    return list(tiers) if isinstance(tiers, list) else [config]
+
+
+def mooncake_options(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The mapping of the Mooncake backend in ``config`` (one of its tiers), or None."""
+    for tier in tier_configs(config):
+        if isinstance(tier, Mapping) and tier.get("backend") == "mooncake":
+            return tier
+    return None
+
+
+def describe_backend(config: Mapping[str, Any]) -> str:
+    """``file``, or a chain's backends fastest first: ``memory+file``."""
+    return "+".join(
+        str(t.get("backend", "file")) if isinstance(t, Mapping) else "?"
+        for t in tier_configs(config)
+    )
+
+
+def _chain_options(config: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], dict[str, Any]]:
+    """The tier mappings and the chain's own options (ConfigError naming the field)."""
+    refuse_unknown(config, CHAIN_OPTIONS, "storage.", "option of a tier chain")
+    tiers = config["tiers"]
+    if not isinstance(tiers, list) or not tiers:
+        raise ConfigError("storage.tiers", "must be a list of backend mappings, fastest first")
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, Mapping):
+            raise ConfigError(f"storage.tiers[{i}]", "must be a mapping with a 'backend' key")
+        for name in ("tiers", MAC_KEY_FILE):
+            if name in tier:
+                raise ConfigError(f"storage.tiers[{i}].{name}", "belongs to the chain, not a tier")
+    write = config.get("write", "through")
+    if write not in WRITE_MODES:
+        raise ConfigError("storage.write", f"got {write!r}; allowed: {', '.join(WRITE_MODES)}")
+    if write == "back" and tiers[0].get("backend") != "memory":
+        raise ConfigError("storage.write", "'back' needs a memory tier first (tiers[0])")
+    chain: dict[str, Any] = {"write": write}
+    for name, default in (("pending_bytes", 256 << 20), ("flush_timeout_s", 10.0)):
+        value = config.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"storage.{name}", f"must be a positive number, got {value!r}")
+        chain[name] = value
+    chain["pending_bytes"] = int(chain["pending_bytes"])
+    return tiers, chain
+
+
+def _in_tier(i: int, check, *args):
+    """``check(*args)`` with a ConfigError's field placed inside ``storage.tiers[i]``."""
+    try:
+        return check(*args)
+    except ConfigError as e:
+        field = e.field.replace("storage.", f"storage.tiers[{i}].", 1)
+        raise ConfigError(field, e.detail) from None
+
+
 def validate_storage_config(config: Mapping[str, Any]) -> None:
     """Check a storage mapping without connecting to or creating anything (ConfigError)."""
+    if "tiers" in config:
+        tiers, _ = _chain_options(config)
+        for i, tier in enumerate(tiers):
+            _in_tier(i, validate_storage_config, tier)
+        if config.get("mac_key_file") is not None and not isinstance(config["mac_key_file"], str):
+            raise ConfigError(f"storage.{MAC_KEY_FILE}", "must be a path")
+        return
     options = dict(config)
     kind = options.pop("backend", "file")
     faults = options.pop("faults", None)
@@ -80,15 +153,34 @@ def _memory_options(options: Mapping[str, Any]) -> int | None:
 
 
 def make_backend(spec: KVCacheSpec, config: Mapping[str, Any] | None = None) -> StorageBackend:
-    """Build a backend from ``{"backend": "file" | "mooncake" | "memory", ...options}``.
+    """Build a backend from ``{"backend": "file" | "mooncake" | "memory", ...options}``, or a
+    tier chain from ``{"tiers": [backend mappings, fastest first], "write": "through" | "back"}``.
 
     A ``faults`` mapping in the config wraps the backend in a FaultInjectingStore;
     ``mac_key_file`` (or ``$KVTIER_STORAGE_MAC_KEY``, hex) makes every object authenticated.
     """
-    options = dict(config or {"backend": "file"})
+    config = config or {"backend": "file"}
+    if "tiers" not in config:
+        options = dict(config)
+        return _make_one(spec, options, read_mac_key(options.pop(MAC_KEY_FILE, None)))
+    from kvtier.storage.tiers import TieredStore
+
+    tiers, chain = _chain_options(config)
+    mac_key = read_mac_key(config.get(MAC_KEY_FILE))
+    built: list[StorageBackend] = []
+    try:
+        for i, tier in enumerate(tiers):
+            built.append(_in_tier(i, _make_one, spec, dict(tier), mac_key))
+        return TieredStore(built, mac_key=mac_key, **chain)
+    except BaseException:
+        for backend in built:
+            backend.close()
+        raise
+
+
+def _make_one(spec: KVCacheSpec, options: dict[str, Any], mac_key: bytes | None) -> StorageBackend:
     kind = options.pop("backend", "file")
     faults = options.pop("faults", None)
-    mac_key = read_mac_key(options.pop(MAC_KEY_FILE, None))
     if kind == "file":
         from kvtier.storage.file import FileStore
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +35,13 @@ class MemoryStore(StorageBackend):
         self._sound: set[str] = set()
         self._used = 0
         self._lock = threading.Lock()
+        self._spill: Callable[[list[tuple[str, bytes]]], None] | None = None
+
+    def watch_spills(self, listener: Callable[[list[tuple[str, bytes]]], None]) -> None:
+        """Hand ``listener`` each object this store evicts for capacity, bytes included, before
+        they are dropped (a tier chain writes them down to a lower tier). Called on the thread
+        whose put evicted, outside the store's lock; it may wait (that put waits with it)."""
+        self._spill = listener
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """Counts an object only if its header is sound (the payload is checked on reads)."""
@@ -148,10 +155,12 @@ class MemoryStore(StorageBackend):
                 victim_key, victim = self._objects.popitem(last=False)
                 self._used -= len(victim)
                 self._sound.discard(victim_key)
-                evicted.append(victim_key)
+                evicted.append((victim_key, victim))
         if evicted:
             self.stats.add(evictions=len(evicted))
-            self._evicted(evicted)
+            if self._spill is not None:
+                self._spill(evicted)
+            self._evicted([victim_key for victim_key, _ in evicted])
 
     def delete(self, keys: Sequence[str]) -> int:
         removed = 0

@@ -1,0 +1,248 @@
+"""The lower tiers of a tier chain: which are up, and the one thread that writes objects down.
+
+A chain (``kvtier.storage.tiers``) saves into its top tier. An object there that the lower
+tiers do not hold yet is *dirty*. ``LowerWriter`` writes dirty objects down, from one thread:
+
+- ``write: through`` queues each saved key at once; ``write: back`` only when the top tier
+  evicts it (``MemoryStore.watch_spills`` hands the bytes over before dropping them) or at a
+  clean stop (``flush``).
+- An evicted dirty object is kept (its bytes, already in memory) until it is written: at most
+  ``pending_bytes`` of them; a put that would evict more waits for the writer.
+- Before writing an object down the writer checks it whole (header, checksum, MAC): a bad
+  object in the top tier never reaches a lower one.
+- A lower tier that raises ``StorageUnavailable`` is skipped for ``DOWN_S`` (``TierHealth``):
+  what it was to get is counted in ``write_failures``, and the top tier keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.errors import ObjectCorrupt, StorageUnavailable
+from kvtier.host import HostPool
+from kvtier.storage.base import StorageBackend
+from kvtier.storage.format import HEADER_BYTES
+
+# A tier that could not be reached is not asked again for this long: each ask may cost a
+# connect timeout, and a request must not pay it for every block.
+DOWN_S = 1.0
+# Objects written down per batch (the writer's own registered staging blocks).
+WRITE_BATCH = 8
+# Saved keys queued for writing through; beyond, a key stays dirty and is written down when
+# evicted or at the stop (nothing is dropped; ``deferred`` counts them).
+MAX_QUEUED = 65536
+
+log = logging.getLogger(__name__)
+
+
+class TierHealth:
+    """Which tiers are up: one that raised ``StorageUnavailable`` is down for ``DOWN_S``."""
+
+    def __init__(self, kinds: Sequence[str]) -> None:
+        self.kinds = list(kinds)
+        self._down_until = [0.0] * len(kinds)
+        self.unavailable = [0] * len(kinds)  # calls that found the tier down
+
+    def up(self, level: int) -> bool:
+        return self._down_until[level] <= time.monotonic()
+
+    def down(self, level: int, error: StorageUnavailable) -> None:
+        if self.up(level):
+            log.warning(
+                "storage tier %d (%s) is unavailable (%s): skipped for %.0f s",
+                level,
+                self.kinds[level],
+                error,
+                DOWN_S,
+            )
+        self._down_until[level] = time.monotonic() + DOWN_S
+        self.unavailable[level] += 1
+
+
+@dataclass
+class WriterCounts:
+    written: int = 0  # objects written down (to every live lower tier)
+    write_failures: int = 0  # objects a lower tier did not take (down, full, failed, bad)
+    deferred: int = 0  # keys not queued at their put (queue full): written when evicted
+
+
+class LowerWriter:
+    """Writes dirty objects of ``top`` down to ``lower`` on one thread (module docstring)."""
+
+    def __init__(
+        self,
+        top: StorageBackend,
+        lower: Sequence[StorageBackend],
+        health: TierHealth,
+        *,
+        through: bool,
+        pending_bytes: int,
+    ) -> None:
+        self.top, self.lower, self.health = top, list(lower), health
+        self.through = through
+        self.pending_bytes = pending_bytes
+        self.counts = WriterCounts()
+        self._cond = threading.Condition()
+        self._dirty: set[str] = set()
+        self._queue: OrderedDict[str, None] = OrderedDict()
+        self._spilled: dict[str, bytes] = {}
+        self._spilled_bytes = 0
+        self._in_flight: set[str] = set()
+        self._forgotten: set[str] = set()  # deleted while in flight: removed below afterwards
+        self._stopping = False
+        self._ring = HostPool(top.spec, WRITE_BATCH)
+        for tier in self.lower:
+            tier.register_host_pool(self._ring)
+        self._thread = threading.Thread(target=self._run, name="kvtier-tier-writer", daemon=True)
+        self._thread.start()
+
+    # ---- what the chain tells it ------------------------------------------------------------
+
+    def saved(self, keys: Sequence[str]) -> None:
+        """``keys`` are now in the top tier (and maybe in no lower one)."""
+        with self._cond:
+            self._dirty.update(keys)
+            if not self.through:
+                return
+            for key in keys:
+                if len(self._queue) < MAX_QUEUED:
+                    self._queue[key] = None
+                else:
+                    self.counts.deferred += 1
+            self._cond.notify_all()
+
+    def spilled(self, objects: list[tuple[str, bytes]]) -> None:
+        """The top tier evicted ``objects``: the dirty ones are kept until written down."""
+        with self._cond:
+            for key, data in objects:
+                if key not in self._dirty or self._stopping:
+                    continue
+                while self._spilled_bytes > self.pending_bytes and self._thread.is_alive():
+                    self._cond.wait(0.1)  # backpressure: the writer frees what it writes
+                self._spilled[key] = data
+                self._spilled_bytes += len(data)
+                self._queue[key] = None
+            self._cond.notify_all()
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """``keys`` were deleted or replaced: never write them down (and remove them below if
+        a write is under way)."""
+        with self._cond:
+            for key in keys:
+                self._dirty.discard(key)
+                self._queue.pop(key, None)
+                data = self._spilled.pop(key, None)
+                self._spilled_bytes -= len(data) if data is not None else 0
+                if key in self._in_flight:
+                    self._forgotten.add(key)
+
+    @property
+    def pending(self) -> int:
+        """Objects in the top tier that no lower tier holds yet."""
+        with self._cond:
+            return len(self._dirty)
+
+    def flush(self, timeout_s: float) -> int:
+        """Write every dirty object down (or give up at ``timeout_s``); how many are left."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            for key in self._dirty:
+                self._queue[key] = None
+            self._cond.notify_all()
+            while (self._queue or self._in_flight) and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.1))
+            return len(self._dirty)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+        for tier in self.lower:
+            tier.unregister_host_pool(self._ring)
+        self._ring.close()
+
+    # ---- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = []
+                while self._queue and len(batch) < WRITE_BATCH:
+                    key, _ = self._queue.popitem(last=False)
+                    batch.append((key, self._spilled.get(key)))
+                self._in_flight = {key for key, _ in batch}
+            try:
+                done = self._write(batch)
+            except Exception:  # never let the thread die: count and go on
+                log.exception("writing %d objects down the tier chain failed", len(batch))
+                done = {key: False for key, _ in batch}
+            self._finish(done)
+
+    def _write(self, batch: list[tuple[str, bytes | None]]) -> dict[str, bool]:
+        """Check and copy each object into the ring, put them in every live lower tier."""
+        keys: list[str] = []
+        sums: list[int | None] = []
+        done: dict[str, bool] = {}
+        for key, data in batch:
+            if data is None:
+                data = self.top.read_object(key)
+            if data is None:
+                continue  # evicted (handed over again by its spill) or deleted
+            block = self._ring.block(len(keys))
+            try:
+                fields = self.top.format.parse(data[:HEADER_BYTES], key, block.numel())
+                payload = memoryview(data)[HEADER_BYTES : HEADER_BYTES + block.numel()]
+                self.top.format.check(data[:HEADER_BYTES], [payload], key, block.numel())
+            except ObjectCorrupt as e:
+                log.warning("not writing %s down the tier chain: %s", key, e)
+                done[key] = False
+                continue
+            block.numpy()[:] = payload
+            keys.append(key)
+            sums.append(fields.checksum)
+        stored = [True] * len(keys)
+        for level, tier in enumerate(self.lower, start=1):
+            if not keys:
+                break
+            if not self.health.up(level):
+                stored = [False] * len(keys)
+                continue
+            try:
+                ok = tier.put_from(keys, [self._ring.block(i) for i in range(len(keys))], sums)
+            except StorageUnavailable as e:
+                self.health.down(level, e)
+                ok = [False] * len(keys)
+            stored = [a and b for a, b in zip(stored, ok)]
+        done.update(zip(keys, stored))
+        return done
+
+    def _finish(self, done: dict[str, bool]) -> None:
+        with self._cond:
+            forgotten = [key for key in self._in_flight if key in self._forgotten]
+            for key in done:
+                self._dirty.discard(key)
+                data = self._spilled.pop(key, None)
+                self._spilled_bytes -= len(data) if data is not None else 0
+            # A key not in ``done`` was not read (evicted meanwhile): it is still dirty, and
+            # its spill queued it again with its bytes.
+            self.counts.written += sum(done.values())
+            self.counts.write_failures += len(done) - sum(done.values())
+            self._forgotten.difference_update(self._in_flight)
+            self._in_flight = set()
+            self._cond.notify_all()
+        for tier in self.lower:
+            if forgotten:
+                tier.delete(forgotten)

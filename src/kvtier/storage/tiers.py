@@ -1,0 +1,339 @@
+"""TieredStore: backends chained fastest first (host memory, then disk, then the cluster)
+behind the one storage contract, so a worker, the vLLM connector and the demo use a chain
+exactly as they use one backend.
+
+- **Lookup**: the longest prefix over all tiers; each block may sit in any of them.
+- **Loads**: each block from the fastest tier that holds it. A block loaded from a lower tier
+  is *promoted*: put into the top tier before the load answers, under the checksum it was
+  stored with, so a payload that is bad is still caught by the caller's check (and then
+  removed from every tier). Promotion makes a hot prefix a memory hit from its second load.
+- **Saves** go into the top tier; the lower tiers get them from one writer thread
+  (``kvtier.storage.tier_writer``): ``write: through`` at once, ``write: back`` when the top
+  tier evicts them or at a clean stop. Nothing dirty is dropped on eviction; ``close`` waits
+  up to ``flush_timeout_s`` for what is still to be written.
+- **A tier that is down** (``StorageUnavailable``) is skipped for a second at a time and costs
+  only its own hits; the chain raises ``StorageUnavailable`` only when every tier is down.
+- Checksums, MAC and the weight-versioned keys are every tier's own, as with one backend.
+- ``read_object`` reads from the first tier that holds the key; ``write_object`` replaces the
+  object in the top tier and removes it from the others (fault injection sees one object).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import StorageError, StorageUnavailable
+from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
+from kvtier.storage.format import ObjectFormat
+from kvtier.storage.tier_writer import LowerWriter, TierHealth
+
+WRITE_MODES = ("through", "back")
+
+log = logging.getLogger(__name__)
+
+
+class TieredStore(StorageBackend):
+    kind = "tiers"
+
+    def __init__(
+        self,
+        tiers: Sequence[StorageBackend],
+        *,
+        write: str = "through",
+        pending_bytes: int = 256 << 20,
+        flush_timeout_s: float = 10.0,
+        mac_key: bytes | None = None,
+    ) -> None:
+        if len(tiers) < 1:
+            raise StorageError("a tier chain needs at least one tier")
+        if write not in WRITE_MODES:
+            raise StorageError(f"write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
+        self.tiers = list(tiers)  # before the base sets ``format`` (passed on to every tier)
+        super().__init__(tiers[0].spec, mac_key)
+        self.write, self.flush_timeout_s = write, flush_timeout_s
+        self.health = TierHealth([getattr(t, "inner", t).kind for t in self.tiers])
+        self.promotions = 0
+        self.writer: LowerWriter | None = None
+        if len(self.tiers) > 1:
+            self.writer = LowerWriter(
+                self.tiers[0],
+                self.tiers[1:],
+                self.health,
+                through=write == "through",
+                pending_bytes=pending_bytes,
+            )
+            watch_spills = getattr(self.tiers[0], "watch_spills", None)
+            if watch_spills is not None:
+                watch_spills(self.writer.spilled)
+            elif write == "back":
+                raise StorageError("write: back needs a memory tier on top (it hands over what it evicts)")
+
+    # ---- what the chain shares with its tiers ------------------------------------------------
+
+    @property
+    def format(self) -> ObjectFormat:
+        return self._format
+
+    @format.setter
+    def format(self, value: ObjectFormat) -> None:
+        self._format = value
+        for tier in self.tiers:
+            tier.format = value
+
+    @property
+    def stats(self) -> StorageStats:
+        """The chain's reads and writes; corrupt objects and evictions summed over its tiers."""
+        own = self._own
+        return StorageStats(
+            hits=own.hits,
+            misses=own.misses,
+            puts=own.puts,
+            put_failures=own.put_failures,
+            corrupt=sum(t.stats.corrupt for t in self.tiers),
+            evictions=sum(t.stats.evictions for t in self.tiers),
+        )
+
+    @stats.setter
+    def stats(self, value: StorageStats) -> None:
+        self._own = value
+
+    @property
+    def quick_lookups(self) -> bool:  # type: ignore[override]
+        return all(t.quick_lookups for t in self.tiers)
+
+    @property
+    def supports_scattered_reads(self) -> bool:
+        return all(t.supports_scattered_reads for t in self.tiers)
+
+    @property
+    def exposes_registered_memory(self) -> bool:
+        return any(t.exposes_registered_memory for t in self.tiers)
+
+    @property
+    def persistent(self) -> bool:
+        return any(t.persistent for t in self.tiers)
+
+    def _live(self) -> list[tuple[int, StorageBackend]]:
+        live = [(level, t) for level, t in enumerate(self.tiers) if self.health.up(level)]
+        if not live:
+            raise StorageUnavailable("every storage tier is unavailable")
+        return live
+
+    def _answered(self, result):
+        """``result``, unless every tier turned out to be down while it was computed."""
+        self._live()
+        return result
+
+    def _ask(self, level: int, call, *args, default):
+        """``call(*args)`` on tier ``level``; ``default`` if the tier is down."""
+        try:
+            return call(*args)
+        except StorageUnavailable as e:
+            self.health.down(level, e)
+            return default
+
+    # ---- the contract ------------------------------------------------------------------------
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        start, live = 0, self._live()
+        while start < len(keys):
+            for level, tier in live:
+                found = self._ask(level, tier.exists_prefix, keys[start:], default=0)
+                if found:
+                    start += found
+                    break
+            else:
+                break
+        return self._answered(start)
+
+    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out)
+        results = [False] * len(keys)
+        todo = list(range(len(keys)))
+        loaded_below: list[int] = []
+        for level, tier in self._live():
+            if not todo:
+                break
+            sums = None if checksums_out is None else np.zeros(len(todo), dtype=np.uint64)
+            got = self._ask(
+                level,
+                tier.get_into,
+                [keys[i] for i in todo],
+                [host_blocks[i] for i in todo],
+                sums,
+                default=[False] * len(todo),
+            )
+            left = []
+            for j, (i, ok) in enumerate(zip(todo, got)):
+                if not ok:
+                    left.append(i)
+                    continue
+                results[i] = True
+                if sums is not None:
+                    checksums_out[i] = sums[j]
+                if level > 0:
+                    loaded_below.append(i)
+            todo = left
+        prefix = results.index(False) if False in results else len(results)
+        promote = [i for i in loaded_below if i < prefix]
+        if promote:
+            sums = None if checksums_out is None else [int(checksums_out[i]) for i in promote]
+            self._promote([keys[i] for i in promote], [host_blocks[i] for i in promote], sums)
+        return self._count(self._answered(results))
+
+    def get_into_scattered(self, keys, targets) -> list[bool]:
+        self._check_scattered(keys, targets)
+        start, live = 0, self._live()
+        while start < len(keys):
+            for level, tier in live:
+                got = self._ask(
+                    level,
+                    tier.get_into_scattered,
+                    keys[start:],
+                    targets[start:],
+                    default=[False] * (len(keys) - start),
+                )
+                run = got.index(False) if False in got else len(got)
+                if run:
+                    if level > 0:  # verified bytes: the top tier hashes them itself
+                        self._promote_scattered(keys[start : start + run], targets[start : start + run])
+                    start += run
+                    break
+            else:
+                break
+        return self._count(self._answered([True] * start + [False] * (len(keys) - start)))
+
+    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums)
+        return self._put(keys, "put_from", host_blocks, checksums)
+
+    def put_from_scattered(self, keys, sources) -> list[bool]:
+        self._check_scattered(keys, sources)
+        return self._put(keys, "put_from_scattered", sources)
+
+    def _put(self, keys, method: str, *args) -> list[bool]:
+        """Into the first live tier (the top one unless it is down); lower ones: the writer."""
+        for level, tier in self._live():
+            try:
+                ok = getattr(tier, method)(keys, *args)
+            except StorageUnavailable as e:
+                self.health.down(level, e)
+                continue
+            if level == 0 and self.writer is not None:
+                self.writer.saved([k for k, stored in zip(keys, ok) if stored])
+            return self._count_puts_own(ok)
+        raise StorageUnavailable("every storage tier is unavailable")
+
+    def _promote(self, keys, blocks, sums) -> None:
+        if not self.health.up(0):
+            return
+        if self._ask(0, self.tiers[0].put_from, keys, blocks, sums, default=None) is not None:
+            self.promotions += len(keys)
+
+    def _promote_scattered(self, keys, targets) -> None:
+        if not self.health.up(0):
+            return
+        if self._ask(0, self.tiers[0].put_from_scattered, keys, targets, default=None) is not None:
+            self.promotions += len(keys)
+
+    def _count(self, results: list[bool]) -> list[bool]:
+        hits = sum(results)
+        self._own.add(hits=hits, misses=len(results) - hits)
+        return results
+
+    def _count_puts_own(self, results: list[bool]) -> list[bool]:
+        ok = sum(results)
+        self._own.add(puts=ok, put_failures=len(results) - ok)
+        return results
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if self.writer is not None:
+            self.writer.forget(keys)
+        removed = 0
+        for level, tier in enumerate(self.tiers):
+            removed = max(removed, self._ask(level, tier.delete, keys, default=0))
+        return removed
+
+    def found_corrupt(self, key: str) -> bool:
+        return any([tier.found_corrupt(key) for tier in self.tiers])  # each forgets it
+
+    def report_corrupt(self, key: str, reason: str) -> None:
+        """Counted once (top tier); the object is removed from every tier."""
+        self.tiers[0].report_corrupt(key, reason)
+        self.delete([key])
+
+    def usage(self) -> StorageUsage:
+        """The usage of the tier holding the most objects (the chain holds at least those;
+        a lower tier mostly holds copies of the top one's). Each tier's: ``tier_usage``."""
+        known = [u for u in self.tier_usage() if u is not None]
+        if not known:
+            raise StorageUnavailable("every storage tier is unavailable")
+        return max(known, key=lambda u: u.num_objects)
+
+    def tier_usage(self) -> list[StorageUsage | None]:
+        """Each tier's usage (None: the tier is down)."""
+        return [self._ask(level, t.usage, default=None) for level, t in enumerate(self.tiers)]
+
+    def read_object(self, key: str) -> bytes | None:
+        for tier in self.tiers:
+            data = tier.read_object(key)
+            if data is not None:
+                return data
+        return None
+
+    def write_object(self, key: str, data: bytes) -> None:
+        if self.writer is not None:
+            self.writer.forget([key])
+        for tier in self.tiers[1:]:
+            tier.delete([key])
+        self.tiers[0].write_object(key, data)
+
+    def watch_removals(self, listener) -> None:
+        """Only the last tier's evictions remove an object from the chain; the others hand
+        theirs down (or hold copies below)."""
+        self.tiers[-1].watch_removals(listener)
+
+    def register_host_pool(self, pool, blocks: range | None = None) -> None:
+        for tier in self.tiers:
+            tier.register_host_pool(pool, blocks)
+
+    def unregister_host_pool(self, pool) -> None:
+        for tier in self.tiers:
+            tier.unregister_host_pool(pool)
+
+    def tier_stats(self) -> list[dict[str, Any]]:
+        """Per tier: its kind, its counters, and the chain's promotions and writes down."""
+        rows = []
+        for level, tier in enumerate(self.tiers):
+            rows.append(
+                {
+                    "tier": level,
+                    "backend": tier.kind,
+                    **tier.stats.as_dict(),
+                    "unavailable": self.health.unavailable[level],
+                }
+            )
+        rows[0]["promotions"] = self.promotions
+        if self.writer is not None:
+            rows[0]["pending_writes"] = self.writer.pending
+            rows[0].update(vars(self.writer.counts))
+        return rows
+
+    def close(self) -> None:
+        if self.writer is not None:
+            left = self.writer.flush(self.flush_timeout_s)
+            if left:
+                log.warning(
+                    "tier chain closed with %d objects not written to its lower tiers "
+                    "(flush_timeout_s=%.0f)",
+                    left,
+                    self.flush_timeout_s,
+                )
+            self.writer.close()
+            self.writer = None
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,189 @@
+"""The tier chain: the storage contract as one backend, promotion, writing down (through and
+back), nothing dirty lost on eviction or a clean stop, a lower tier down, its configuration."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.errors import ConfigError, StorageUnavailable
+from kvtier.host import HostPool
+from kvtier.storage import make_backend, validate_storage_config
+from kvtier.storage import tier_writer
+from kvtier.storage.tiers import TieredStore
+from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+
+OBJECT_BYTES = CONTRACT_SPEC.block_bytes + 64
+
+
+class TestMemoryOverFileThrough(StoreContract):
+    persistent = True  # the file tier below
+
+    write = "through"
+
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path):
+        self.root = tmp_path / "store"
+
+    def store_config(self) -> dict:
+        return {
+            "tiers": [{"backend": "memory"}, {"backend": "file", "root": str(self.root)}],
+            "write": self.write,
+        }
+
+    def make_store(self, spec):
+        return make_backend(spec, self.store_config())
+
+
+class TestMemoryOverFileBack(TestMemoryOverFileThrough):
+    write = "back"
+
+
+@pytest.fixture
+def pool():
+    with HostPool(CONTRACT_SPEC, 16) as pool:
+        yield pool
+
+
+def _chain(tmp_path, write: str = "through", top_objects: int | None = None, **file_options):
+    capacity = None if top_objects is None else top_objects * OBJECT_BYTES
+    top = {"backend": "memory"} | ({"capacity_bytes": capacity} if capacity else {})
+    lower = {"backend": "file", "root": str(tmp_path / "store"), **file_options}
+    return make_backend(CONTRACT_SPEC, {"tiers": [top, lower], "write": write})
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the writer never got there"
+        time.sleep(0.01)
+
+
+def _put(store, pool, keys):
+    blocks = [pool.block(i) for i in range(len(keys))]
+    for key, block in zip(keys, blocks):
+        block.copy_(expected_block(key, block.numel()))
+    return store.put_from(keys, blocks)
+
+
+def _get(store, pool, keys):
+    blocks = [pool.block(8 + i) for i in range(len(keys))]
+    for block in blocks:
+        block.fill_(0xEE)
+    got = store.get_into(keys, blocks)
+    for key, block, ok in zip(keys, blocks, got):
+        if ok:
+            assert block.equal(expected_block(key, block.numel())), key
+    return got
+
+
+def test_a_block_loaded_from_below_is_promoted_and_then_served_from_memory(tmp_path, pool):
+    with _chain(tmp_path) as chain:
+        keys = make_keys(4)
+        assert _put(chain, pool, keys) == [True] * 4
+        assert chain.writer.flush(30) == 0  # written through
+        top, below = chain.tiers
+        assert below.exists_prefix(keys) == 4
+        top.delete(keys[1:3])  # as if evicted (held below)
+        assert chain.exists_prefix(keys) == 4  # the prefix runs across tiers
+        hits_below = below.stats.hits
+        assert _get(chain, pool, keys) == [True] * 4
+        assert below.stats.hits == hits_below + 2 and chain.promotions == 2
+        assert top.exists_prefix(keys) == 4  # promoted
+        assert _get(chain, pool, keys) == [True] * 4
+        assert below.stats.hits == hits_below + 2  # the second load: memory only
+
+
+def test_write_back_hands_evicted_blocks_down_and_loses_none_at_a_clean_stop(tmp_path, pool):
+    keys = make_keys(6)
+    with _chain(tmp_path, "back", top_objects=2) as chain:
+        top, below = chain.tiers
+        for key in keys:  # one at a time: each put evicts the oldest
+            assert _put(chain, pool, [key]) == [True]
+        assert top.usage().num_objects == 2
+        _wait_for(lambda: below.usage().num_objects == 4)  # the 4 evicted, handed down
+        assert chain.writer.pending == 2  # the 2 in memory: dirty until the stop
+        assert _get(chain, pool, keys) == [True] * 6  # every block, from one tier or the other
+        assert chain.stats.evictions >= 4
+    with make_backend(CONTRACT_SPEC, {"backend": "file", "root": str(tmp_path / "store")}) as f:
+        assert f.exists_prefix(keys) == 6  # the stop wrote the dirty ones: 0 lost
+        with HostPool(CONTRACT_SPEC, 16) as other:
+            assert _get(f, other, keys) == [True] * 6
+
+
+def test_write_back_keeps_nothing_below_until_it_is_evicted(tmp_path, pool):
+    with _chain(tmp_path, "back", top_objects=4) as chain:
+        keys = make_keys(2)
+        _put(chain, pool, keys)
+        assert chain.tiers[1].usage().num_objects == 0 and chain.writer.pending == 2
+        stats = {row["backend"]: row for row in chain.tier_stats()}
+        assert stats["memory"]["pending_writes"] == 2
+
+
+def test_a_lower_tier_that_is_down_costs_only_its_own_hits(tmp_path, pool, monkeypatch):
+    monkeypatch.setattr(tier_writer, "DOWN_S", 0.05)
+    outage = tmp_path / "outage"
+    faults = {"faults": {"unavailable_while": str(outage)}}
+    with _chain(tmp_path, **faults) as chain:
+        top, below = chain.tiers
+        held_below = make_keys(2)
+        _put(chain, pool, held_below)
+        assert chain.writer.flush(30) == 0
+        top.delete(held_below)
+        outage.touch()
+        keys = make_keys(3)
+        assert _put(chain, pool, keys) == [True] * 3  # the top tier takes saves
+        assert _get(chain, pool, keys) == [True] * 3  # and serves them
+        assert chain.exists_prefix(held_below) == 0  # the down tier's own hits: misses
+        assert _get(chain, pool, held_below) == [False, False]  # no exception
+        assert chain.writer.flush(30) == 0
+        assert chain.writer.counts.write_failures >= 3  # counted, not queued forever
+        assert chain.health.unavailable[1] > 0
+        outage.unlink()
+        time.sleep(0.1)  # past DOWN_S
+        assert _get(chain, pool, held_below) == [True, True]  # back: served and promoted
+        later = make_keys(1)
+        _put(chain, pool, later)
+        assert chain.writer.flush(30) == 0
+        assert below.exists_prefix(later) == 1
+
+
+def test_every_tier_down_is_unavailable(tmp_path, pool):
+    outage = tmp_path / "outage"
+    outage.touch()
+    down = {"backend": "file", "root": str(tmp_path / "a"), "faults": {"unavailable_while": str(outage)}}
+    config = {"tiers": [down, dict(down, root=str(tmp_path / "b"))]}
+    with make_backend(CONTRACT_SPEC, config) as chain:
+        with pytest.raises(StorageUnavailable):
+            chain.exists_prefix(make_keys(1))
+
+
+@pytest.mark.parametrize(
+    ("storage", "field"),
+    [
+        ({"tiers": []}, "storage.tiers"),
+        ({"tiers": [{"backend": "memory"}], "write": "sometimes"}, "storage.write"),
+        ({"tiers": [{"backend": "file", "root": "/x"}, {"backend": "memory"}], "write": "back"},
+         "storage.write"),
+        ({"tiers": [{"backend": "memory"}, {"backend": "file", "rot": "/x"}]}, "storage.tiers[1].rot"),
+        ({"tiers": [{"backend": "memory", "capacity_bytes": -1}]}, "storage.tiers[0].capacity_bytes"),
+        ({"tiers": [{"backend": "disk"}]}, "storage.tiers[0].backend"),
+        ({"tiers": ["memory"]}, "storage.tiers[0]"),
+        ({"tiers": [{"backend": "memory", "mac_key_file": "k"}]}, "storage.tiers[0].mac_key_file"),
+        ({"tiers": [{"backend": "memory"}], "pending_bytes": 0}, "storage.pending_bytes"),
+        ({"tiers": [{"backend": "memory"}], "capacity_bytes": 5}, "storage.capacity_bytes"),
+    ],
+)
+def test_chain_configuration_errors_name_the_field(storage, field) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate_storage_config(storage)
+    assert error.value.field == field
+
+
+def test_one_tier_is_a_chain_of_one(tmp_path, pool) -> None:
+    with make_backend(CONTRACT_SPEC, {"tiers": [{"backend": "memory"}]}) as chain:
+        assert isinstance(chain, TieredStore) and chain.writer is None
+        keys = make_keys(2)
+        assert _put(chain, pool, keys) == [True, True]
+        assert _get(chain, pool, keys) == [True, True]
