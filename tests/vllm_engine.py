@@ -270,10 +270,15 @@ def sleep_and_wake(llm, args: dict) -> None:
 
 
 def scenario_restart(args: dict) -> None:
+    """A fresh engine on a stored prefix; with a tier chain, loaded again from its memory."""
     llm = engine(args)
     emit("restart", **generate(llm, prompts()))
     reset(llm)
     emit("restart_saves", **saves(args))
+    emit("restart_again", **generate(llm, prompts()))
+    with kvtier_client(args) as client:
+        stats = client.control("stats").per_rank[0].data
+    emit("restart_tiers", tiers=stats["storage_tiers"], backend=stats["storage_backend"])
 
 
 def scenario_tp(args: dict) -> None:

@@ -9,6 +9,7 @@ Ctrl-C exits 130 and SIGTERM 143, both after cleaning up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 from kvtier.cli_args import (
     COUNT,
+    SIZE,
     WRITE_POLICIES,
     DefaultsFormatter,
     Parser,
@@ -77,6 +79,12 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         help="file|mooncake|memory",
     )
     serve.add_argument("--storage-root", help="file backend directory")
+    serve.add_argument(
+        "--memory-tier",
+        type=SIZE,
+        metavar="SIZE",
+        help="a host-memory tier of SIZE bytes (K/M/G) in front of the storage backend",
+    )
     serve.add_argument("--namespace", help="model id used in storage keys")
     serve.add_argument("--model-dir", "--model_path", dest="model_dir", help="holds version.yaml")
     serve.add_argument("--endpoint", help="ipc:///PATH or tcp://127.0.0.1:PORT")
@@ -117,16 +125,25 @@ def _serve(args: argparse.Namespace) -> int:
 
     environ = {} if args.config_is_complete else os.environ  # a launcher resolved it already
     config = load_config(args.config, _serve_overrides(args), environ)
+    if args.memory_tier:
+        from kvtier.storage import validate_storage_config, with_memory_tier
+
+        storage = with_memory_tier(config.storage, args.memory_tier)
+        validate_storage_config(storage)
+        config = dataclasses.replace(config, storage=storage)
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper()),
         force=True,
         format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
     )
-    if config.storage.get("backend") == "mooncake":  # the edge sets what Mooncake reads
+    from kvtier.storage import mooncake_options
+
+    mooncake = mooncake_options(config.storage)
+    if mooncake is not None:  # the edge sets what Mooncake reads
         from kvtier.bindguard import reexec_with
         from kvtier.storage.mooncake_setup import process_environment
 
-        reexec_with(process_environment(config.storage))  # LD_PRELOAD works only from the start
+        reexec_with(process_environment(mooncake))  # LD_PRELOAD works only from the start
     return Worker(config).serve()
 
 

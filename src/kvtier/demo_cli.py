@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvtier.cli_args import COUNT, SEED, WRITE_POLICIES, DefaultsFormatter, integer
+from kvtier.cli_args import COUNT, SEED, SIZE, WRITE_POLICIES, DefaultsFormatter, integer
 
 
 def add_demo(sub, common: argparse.ArgumentParser) -> None:
@@ -35,6 +35,12 @@ def add_demo(sub, common: argparse.ArgumentParser) -> None:
         default="file",
         choices=["file", "mooncake", "memory"],
         help="storage: a file store in a temporary directory, Mooncake, or worker memory",
+    )
+    demo.add_argument(
+        "--memory-tier",
+        type=SIZE,
+        metavar="SIZE",
+        help="a host-memory tier of SIZE bytes (K/M/G) in front of the backend: a tier chain",
     )
     demo.add_argument(
         "--mooncake-master",
@@ -72,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         return demo(as_json=args.json)
     from kvtier.demo import Workload
     from kvtier.demo_run import check_demo_options, print_demo, run_demo
-    from kvtier.table import plural
+    from kvtier.table import plural, size
 
     w = Workload.from_args(args)
     check_demo_options(args)
@@ -85,7 +91,8 @@ def _demo(args: argparse.Namespace) -> int:
             f"kvtier demo: {plural(w.users, 'user')} x {plural(w.turns, 'turn')} sharing a "
             f"{w.system_tokens}-token system prompt; {plural(args.ranks, 'worker rank')}; "
             f"device cache {w.device_blocks} blocks, host {w.host_blocks} blocks, "
-            f"storage: {args.backend}",
+            f"storage: {args.backend}"
+            + (f" behind a {size(args.memory_tier)} memory tier" if args.memory_tier else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -103,6 +110,7 @@ def _demo(args: argparse.Namespace) -> int:
         args.write_policy,
         not args.json,
         args.instance_id,
+        args.memory_tier,
     )
     if args.json:
         print(json.dumps(result))

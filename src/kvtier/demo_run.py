@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.config import check_instance_id
 from kvtier.errors import ConfigError
 from kvtier.interrupts import CleanupStack
+from kvtier.storage import describe_backend, with_memory_tier
 from kvtier.table import printable
 from kvtier.user_dirs import open_user_directory
 
@@ -37,6 +38,10 @@ def check_demo_options(args: Any) -> None:
                 option,
                 f"{flag} applies only with --backend mooncake (the backend is {args.backend})",
             )
+    if getattr(args, "memory_tier", None) and args.backend == "memory":
+        raise ConfigError(
+            "memory_tier", "--memory-tier goes in front of --backend file or mooncake"
+        )
     if args.keep_store is not None:
         if args.backend != "file":
             raise ConfigError("keep_store", f"keeps a file store; the backend is {args.backend}")
@@ -120,6 +125,7 @@ def run_demo(
     write_policy: str = "write_through",
     progress: bool = True,
     instance_id: str | None = None,
+    memory_tier: int | None = None,
 ) -> dict[str, Any]:
     """The demo: a file store in a temporary directory (or ``keep_store``), a memory store, or
     Mooncake (``mooncake`` options, or a master and storage node started on loopback). Leaves
@@ -142,10 +148,12 @@ def run_demo(
             }
         else:
             storage = {"backend": backend}
+        if memory_tier:
+            storage = with_memory_tier(storage, memory_tier)
         result = run(
             w, storage, ranks, write_policy=write_policy, progress=progress, instance_id=instance_id
         )
-        result["backend"] = backend
+        result["backend"] = describe_backend(storage)
         if keep_store is not None:
             result["kept_store"] = os.path.abspath(keep_store)
         return result

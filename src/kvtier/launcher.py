@@ -147,11 +147,14 @@ def _environment(config: WorkerConfig) -> dict[str, str]:
     """A worker's environment: ours without an engine's OpenMP binding (``cpu_cores`` places
     the worker), plus what Mooncake needs from the start (bind guard)."""
     env = {k: v for k, v in os.environ.items() if k not in OMP_PLACEMENT_VARIABLES}
-    if config.storage.get("backend") != "mooncake":
+    from kvtier.storage import mooncake_options
+
+    mooncake = mooncake_options(config.storage)
+    if mooncake is None:
         return env
     from kvtier.storage.mooncake_setup import process_environment
 
-    return {**env, **process_environment(config.storage)}
+    return {**env, **process_environment(mooncake)}
 
 
 def start_workers(

@@ -8,6 +8,11 @@ Stable names (every series carries ``rank``):
 - ``kvtier_errors_total{kind}`` — errors by kind (malformed, InvalidBlockIds, internal, ...)
 - ``kvtier_storage_blocks_total{result}`` — storage reads: hit, miss, corrupt
 - ``kvtier_storage_puts_total{result}`` — storage writes: ok, failed
+- ``kvtier_storage_tier_blocks_total{tier,backend,result}`` — a tier chain's reads per tier:
+  hit, miss, corrupt (each tier is asked for what the tiers above it lacked)
+- ``kvtier_storage_tier_events_total{tier,backend,event}`` — per tier: evicted; on the top tier
+  also promoted (loaded from below and put here), written_down, write_failed
+- ``kvtier_storage_tier_pending_writes{tier}`` — objects in the top tier no lower tier holds yet
 - ``kvtier_queue_depth{direction}`` — tasks waiting per executor
 - ``kvtier_worker_state{state}`` — 1 for the current state (running, paused, sleeping, stopping)
 """
@@ -169,6 +174,7 @@ class _Snapshot:
         puts.add_metric([self.rank, "ok"], storage.get("puts", 0))
         puts.add_metric([self.rank, "failed"], storage.get("put_failures", 0))
         yield puts
+        yield from self._tiers(s.get("storage_tiers", []))
         depth = GaugeMetricFamily(
             "kvtier_queue_depth", "Tasks waiting per executor", labels=["rank", "direction"]
         )
@@ -181,6 +187,40 @@ class _Snapshot:
         for name in STATES:
             state.add_metric([self.rank, name], 1.0 if s["state"] == name else 0.0)
         yield state
+
+    def _tiers(self, tiers: list[dict[str, Any]]):
+        if not tiers:
+            return
+        labels = ["rank", "tier", "backend"]
+        blocks = CounterMetricFamily(
+            "kvtier_storage_tier_blocks", "Block reads per storage tier", labels=[*labels, "result"]
+        )
+        events = CounterMetricFamily(
+            "kvtier_storage_tier_events", "Tier chain events per tier", labels=[*labels, "event"]
+        )
+        pending = GaugeMetricFamily(
+            "kvtier_storage_tier_pending_writes",
+            "Objects in the top tier that no lower tier holds yet",
+            labels=[*labels],
+        )
+        for t in tiers:
+            where = [self.rank, str(t["tier"]), t["backend"]]
+            for result, key in (("hit", "hits"), ("miss", "misses"), ("corrupt", "corrupt")):
+                blocks.add_metric([*where, result], t.get(key, 0))
+            for event, key in TIER_EVENTS:
+                if key in t:
+                    events.add_metric([*where, event], t[key])
+            if "pending_writes" in t:
+                pending.add_metric(where, t["pending_writes"])
+        yield from (blocks, events, pending)
+
+
+TIER_EVENTS = (
+    ("evicted", "evictions"),
+    ("promoted", "promotions"),
+    ("written_down", "written"),
+    ("write_failed", "write_failures"),
+)
 
 
 def start_exporter(

@@ -131,7 +131,25 @@ def screen(stats: list[dict[str, Any]], title: str) -> list[str]:
         ]
         cols = [("kind", "task", "s"), ("tasks", "count", ",d"), ("moved", "moved", "s")]
         lines += render(kinds, [*cols, ("mean_ms", "mean ms", ".2f")])
+    tiers = [dict(t, rank=s["rank"]) for s in stats for t in s.get("storage_tiers", [])]
+    if tiers:
+        lines += ["", *render(tiers, TIER_COLUMNS)]
     return lines
+
+
+TIER_COLUMNS = [
+    ("rank", "rank", "d"),
+    ("tier", "tier", "d"),
+    ("backend", "backend", "s"),
+    ("hits", "hits", ",d"),
+    ("misses", "misses", ",d"),
+    ("corrupt", "corrupt", ",d"),
+    ("evictions", "evicted", ",d"),
+    ("promotions", "promoted", ",d"),
+    ("written", "written down", ",d"),
+    ("pending_writes", "pending", ",d"),
+    ("unavailable", "down", ",d"),
+]
 
 
 def _status(args: argparse.Namespace) -> int:

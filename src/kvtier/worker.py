@@ -39,6 +39,8 @@ from kvtier.engine_watch import EngineWatch
 from kvtier.gate import Gate, Refusal, WorkerState
 from kvtier.peers import PeerTable
 from kvtier.resources import RankResources
+from kvtier.storage import describe_backend
+from kvtier.storage.tiers import TieredStore
 from kvtier.task_runner import Item, TaskRunner
 from kvtier.transport import Peer
 from kvtier.worker_stats import TaskCounters
@@ -292,7 +294,8 @@ class Worker:
             **self.counters.snapshot(),
             "storage": storage.stats.as_dict() if storage is not None else {},
             "storage_usage": vars(usage) if usage is not None else {},
-            "storage_backend": self.config.storage.get("backend", "file"),
+            "storage_backend": describe_backend(self.config.storage),
+            "storage_tiers": storage.tier_stats() if isinstance(storage, TieredStore) else [],
             "weight_version": self.resources.keys.version,
             "version_pinned": self.resources.versions.pinned,
             "namespace": self.config.namespace,

@@ -139,17 +139,31 @@ def test_the_engine_leaves_nothing_behind(single) -> None:
     assert single["_shm_left"]["names"] == []
 
 
-def test_a_fresh_engine_process_hits_the_same_store(reference, single, model, store) -> None:
-    phases = run(
-        "restart", model=model, instance=_instance(), storage={"backend": "file", "root": store}
-    )
-    restart = phases["restart"]
-    assert restart["tokens"] == reference["reference"]["tokens"]
-    assert external_hits(restart) > 0
+def test_a_fresh_engine_with_a_memory_tier_hits_the_store_then_its_memory(
+    reference, single, model, store
+) -> None:
+    """A fresh engine with ``tiers: [memory, file]`` on the store the first engine filled: its
+    first hits come from the file tier (and are promoted), the next ones from memory."""
+    storage = {
+        "tiers": [
+            {"backend": "memory", "capacity_bytes": 64 << 20},
+            {"backend": "file", "root": store},
+        ]
+    }
+    phases = run("restart", model=model, instance=_instance(), storage=storage)
+    restart, again = phases["restart"], phases["restart_again"]
+    assert restart["tokens"] == again["tokens"] == reference["reference"]["tokens"]
+    assert external_hits(restart) > 0 and external_hits(again) > 0
     # Everything was stored: nothing is written again, and the counts say so (the connector
     # said 640 saved tokens beside 0 bytes written).
     assert phases["restart_saves"]["written"] == 0 and phases["restart_saves"]["skipped"] > 0
     assert restart["delta"].get("kvtier_save_bytes", 0) == 0
+    memory, file = phases["restart_tiers"]["tiers"]
+    assert phases["restart_tiers"]["backend"] == "memory+file"
+    assert (memory["backend"], file["backend"]) == ("memory", "file")
+    assert file["hits"] > 0 and memory["promotions"] == file["hits"]
+    assert memory["hits"] >= file["hits"]  # the second pass: every block from memory
+    assert again["delta"]["kvtier_failed_tokens"] == 0
 
 
 def test_tensor_parallel_2_in_vllms_multiprocess_mode(reference, model, tmp_path, figures) -> None:

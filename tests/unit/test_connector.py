@@ -103,9 +103,11 @@ def connector(request):
     """A worker in this process, the scheduler side and one rank's step transfers on it
     (``@pytest.mark.parametrize("connector", [{settings}], indirect=True)`` changes its
     settings)."""
-    worker = local_worker("cn", num_host_blocks=1, staging_blocks=4)
+    param = dict(getattr(request, "param", {}))
+    storage = {"storage": param.pop("worker_storage")} if "worker_storage" in param else {}
+    worker = local_worker("cn", num_host_blocks=1, staging_blocks=4, **storage)
     config = worker.config
-    extra = {"start_timeout_s": 10, **getattr(request, "param", {})}
+    extra = {"start_timeout_s": 10, **param}
     settings = ConnectorSettings.from_extra_config(extra)
     scheduler = SchedulerSide(
         config.instance_id, 1, BS, settings, endpoints=[config.endpoint_address]
@@ -205,6 +207,51 @@ def test_a_load_that_fails_is_recomputed_and_saved_again(connector) -> None:
     scheduler.update_state_after_alloc(third, blocks(list(range(30, 37))), 2 * BS)
     meta = scheduler.build_connector_meta(step([(third, list(range(30, 37)), 32)], {"r3": 68}))
     assert [s.block_hashes for s in meta.saves] == [list(first.block_hashes[2:6])]
+
+
+SLOW_STORE = {"backend": "memory", "faults": {"latency_s": 0.1}}
+
+
+@pytest.mark.parametrize(
+    ("connector", "declines"),
+    [
+        ({"worker_storage": SLOW_STORE}, True),
+        ({"worker_storage": SLOW_STORE, "load_or_recompute": False}, False),
+    ],
+    indirect=["connector"],
+)
+def test_a_store_slower_than_recompute_is_declined_from_measured_loads(connector, declines) -> None:
+    """Loads measured through the real path (worker metadata) take 0.1 s or more each; the
+    engine's steps take microseconds here: the next hit is declined (counted), or loaded when
+    the decision is switched off."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(6000, 6000 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r0", tokens), list(range(0, 7)))
+    for n in range(1, 4):
+        req = request(f"r{n}", tokens)
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+        ids = list(range(10 * n, 10 * n + 7))
+        scheduler.update_state_after_alloc(req, blocks(ids), 6 * BS)
+        meta = scheduler.build_connector_meta(step([(req, ids, 96)], {req.request_id: 100}))
+        transfers.start_load_kv(meta)
+        until(lambda: req.request_id in transfers.get_finished(set())[1])
+        scheduler.update_connector_output(
+            KVConnectorOutput(
+                finished_recving={req.request_id}, kv_connector_worker_meta=transfers.worker_meta()
+            )
+        )
+        scheduler.request_finished(req)
+    for i in range(20):  # the engine's steps, back to back as in a running engine
+        scheduler.build_connector_meta(step([], {"busy": 64 * (1 + i % 3)}))
+    assert scheduler.decide.store.samples == 3
+    assert scheduler.decide.estimates()["load_s_per_block"] * 6 >= 0.1
+    late = request("r9", tokens)
+    if declines:
+        assert scheduler.get_num_new_matched_tokens(late, 0) == (0, False)
+        meta = scheduler.build_connector_meta(step([], {}))
+        assert meta.lookup_counts["declined_tokens"] == 6 * BS
+    else:
+        assert scheduler.get_num_new_matched_tokens(late, 0) == (6 * BS, True)
 
 
 def test_a_lost_worker_costs_a_recompute_never_a_hang(connector) -> None:

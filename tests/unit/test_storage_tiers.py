@@ -9,8 +9,7 @@ import pytest
 
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.host import HostPool
-from kvtier.storage import make_backend, validate_storage_config
-from kvtier.storage import tier_writer
+from kvtier.storage import make_backend, tier_writer, validate_storage_config
 from kvtier.storage.tiers import TieredStore
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
@@ -152,11 +151,14 @@ def test_a_lower_tier_that_is_down_costs_only_its_own_hits(tmp_path, pool, monke
 def test_every_tier_down_is_unavailable(tmp_path, pool):
     outage = tmp_path / "outage"
     outage.touch()
-    down = {"backend": "file", "root": str(tmp_path / "a"), "faults": {"unavailable_while": str(outage)}}
+    down = {
+        "backend": "file",
+        "root": str(tmp_path / "a"),
+        "faults": {"unavailable_while": str(outage)},
+    }
     config = {"tiers": [down, dict(down, root=str(tmp_path / "b"))]}
-    with make_backend(CONTRACT_SPEC, config) as chain:
-        with pytest.raises(StorageUnavailable):
-            chain.exists_prefix(make_keys(1))
+    with make_backend(CONTRACT_SPEC, config) as chain, pytest.raises(StorageUnavailable):
+        chain.exists_prefix(make_keys(1))
 
 
 @pytest.mark.parametrize(
@@ -164,10 +166,18 @@ def test_every_tier_down_is_unavailable(tmp_path, pool):
     [
         ({"tiers": []}, "storage.tiers"),
         ({"tiers": [{"backend": "memory"}], "write": "sometimes"}, "storage.write"),
-        ({"tiers": [{"backend": "file", "root": "/x"}, {"backend": "memory"}], "write": "back"},
-         "storage.write"),
-        ({"tiers": [{"backend": "memory"}, {"backend": "file", "rot": "/x"}]}, "storage.tiers[1].rot"),
-        ({"tiers": [{"backend": "memory", "capacity_bytes": -1}]}, "storage.tiers[0].capacity_bytes"),
+        (
+            {"tiers": [{"backend": "file", "root": "/x"}, {"backend": "memory"}], "write": "back"},
+            "storage.write",
+        ),
+        (
+            {"tiers": [{"backend": "memory"}, {"backend": "file", "rot": "/x"}]},
+            "storage.tiers[1].rot",
+        ),
+        (
+            {"tiers": [{"backend": "memory", "capacity_bytes": -1}]},
+            "storage.tiers[0].capacity_bytes",
+        ),
         ({"tiers": [{"backend": "disk"}]}, "storage.tiers[0].backend"),
         ({"tiers": ["memory"]}, "storage.tiers[0]"),
         ({"tiers": [{"backend": "memory", "mac_key_file": "k"}]}, "storage.tiers[0].mac_key_file"),

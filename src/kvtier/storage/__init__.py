@@ -25,6 +25,7 @@ __all__ = [
     "mooncake_options",
     "tier_configs",
     "validate_storage_config",
+    "with_memory_tier",
 ]
 MEMORY_OPTIONS = ("capacity_bytes",)
 # The backends (and torch, which they use) load on first use: `kvtier store` needs neither.
@@ -69,6 +70,19 @@ def describe_backend(config: Mapping[str, Any]) -> str:
         str(t.get("backend", "file")) if isinstance(t, Mapping) else "?"
         for t in tier_configs(config)
     )
+
+
+def with_memory_tier(config: Mapping[str, Any], capacity_bytes: int) -> dict[str, Any]:
+    """``config`` with a memory tier of ``capacity_bytes`` in front of its backend (or of its
+    chain's first tier), written through."""
+    chain = dict(config) if "tiers" in config else {"tiers": [dict(config)]}
+    if MAC_KEY_FILE in chain["tiers"][0]:
+        chain[MAC_KEY_FILE] = chain["tiers"][0].pop(MAC_KEY_FILE)
+    first = chain["tiers"][0]
+    if isinstance(first, Mapping) and first.get("backend") == "memory":
+        raise ConfigError("memory_tier", "the storage already starts with a memory tier")
+    chain["tiers"] = [{"backend": "memory", "capacity_bytes": capacity_bytes}, *chain["tiers"]]
+    return chain
 
 
 def _chain_options(config: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], dict[str, Any]]:

@@ -179,7 +179,7 @@ class LowerWriter:
                     self._cond.wait()
                 if self._stopping:
                     return
-                batch = []
+                batch: list[tuple[str, bytes | None]] = []
                 while self._queue and len(batch) < WRITE_BATCH:
                     key, _ = self._queue.popitem(last=False)
                     batch.append((key, self._spilled.get(key)))

@@ -70,7 +70,9 @@ class TieredStore(StorageBackend):
             if watch_spills is not None:
                 watch_spills(self.writer.spilled)
             elif write == "back":
-                raise StorageError("write: back needs a memory tier on top (it hands over what it evicts)")
+                raise StorageError(
+                    "write: back needs a memory tier on top (it hands over what it evicts)"
+                )
 
     # ---- what the chain shares with its tiers ------------------------------------------------
 
@@ -181,8 +183,8 @@ class TieredStore(StorageBackend):
         prefix = results.index(False) if False in results else len(results)
         promote = [i for i in loaded_below if i < prefix]
         if promote:
-            sums = None if checksums_out is None else [int(checksums_out[i]) for i in promote]
-            self._promote([keys[i] for i in promote], [host_blocks[i] for i in promote], sums)
+            known = None if checksums_out is None else [int(checksums_out[i]) for i in promote]
+            self._promote([keys[i] for i in promote], [host_blocks[i] for i in promote], known)
         return self._count(self._answered(results))
 
     def get_into_scattered(self, keys, targets) -> list[bool]:
@@ -200,7 +202,9 @@ class TieredStore(StorageBackend):
                 run = got.index(False) if False in got else len(got)
                 if run:
                     if level > 0:  # verified bytes: the top tier hashes them itself
-                        self._promote_scattered(keys[start : start + run], targets[start : start + run])
+                        self._promote_scattered(
+                            keys[start : start + run], targets[start : start + run]
+                        )
                     start += run
                     break
             else:

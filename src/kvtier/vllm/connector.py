@@ -81,7 +81,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 instance, world_size, block_size, self.settings, role=self.kv_role
             )
             if events:
-                backend = str((self.settings.storage or {}).get("backend", "file"))
+                from kvtier.storage import describe_backend
+
+                backend = describe_backend(self.settings.storage or {"backend": "file"})
                 self._tier_events = TierEvents(world_size, block_size, backend)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -41,11 +41,19 @@ class KvtierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Hashes whose load failed (missing, corrupt): the scheduler saves them again."""
+    """Hashes whose load failed (missing, corrupt): the scheduler saves them again. And the
+    transfers answered since the last step, ``(blocks, seconds from submission)``: the
+    scheduler's load-or-recompute estimates (``kvtier.vllm.decide``)."""
 
     failed_hashes: set[bytes] = field(default_factory=set)
+    load_times: list[tuple[int, float]] = field(default_factory=list)
+    save_times: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvtierWorkerMetadata):
-            return KvtierWorkerMetadata(self.failed_hashes | other.failed_hashes)
+            return KvtierWorkerMetadata(
+                self.failed_hashes | other.failed_hashes,
+                self.load_times + other.load_times,
+                self.save_times + other.save_times,
+            )
         return self

@@ -10,6 +10,8 @@
   vLLM's own cache now covers more of the prompt — until the request is allocated, finishes,
   a load fails, vLLM resets the connector's cache (``reset_cache``: after a weight update) or
   ``LOOKUP_REUSE_S`` passes.
+- Load or recompute (``kvtier.vllm.decide``): a hit whose load is estimated slower than its
+  recompute, from measured rates, is declined (``load_or_recompute``; ``declined_tokens``).
 - Deduplication: while a load of some blocks is in flight, a request that needs the same blocks
   waits (``None``) and then hits them in vLLM's own prefix cache, so each object is loaded once;
   a block hash submitted for saving is not submitted again.
@@ -34,6 +36,7 @@ from typing import Any
 from kvtier.client import Client
 from kvtier.config import endpoint_for
 from kvtier.errors import KvtierError
+from kvtier.vllm.decide import LoadOrRecompute
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,7 @@ class SchedulerSide:
         self._counts: Counter[str] = Counter()
         self._sync_loaded: list[LoadSpec] = []
         self._broken = False
+        self.decide = LoadOrRecompute(block_size, settings.load_or_recompute)
 
     # ---- lookup -----------------------------------------------------------------------------
 
@@ -118,12 +122,18 @@ class SchedulerSide:
         now = time.monotonic()
         kept = self._lookups.get(request.request_id)
         count = kept.reuse(first, last, now) if kept is not None else None
+        fresh = count is None
         if count is None:
             count = self._lookup(wanted)
             self._lookups[request.request_id] = _Lookup(first, last, count, now)
             self._counts.update(lookup_round_trips=1)
             for h in wanted[count:]:  # not stored (any more): a save may store it again
                 self._submitted.pop(h, None)
+        worth = self.decide.blocks_to_load(count)
+        if worth < count:
+            if fresh:  # vLLM asks again while the request waits: counted once
+                self._counts.update(declined_tokens=(count - worth) * bs)
+            count = worth
         if count == 0:
             self._pending_load.pop(request.request_id, None)
             self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)
@@ -135,7 +145,9 @@ class SchedulerSide:
         """Did this waiting request's kept lookup find stored blocks, loaded asynchronously?
         A dictionary look-up: vLLM asks whenever the request enters a waiting queue."""
         kept = self._lookups.get(request.request_id)
-        return not self.sync_loads and kept is not None and kept.count > 0
+        return (
+            not self.sync_loads and kept is not None and self.decide.blocks_to_load(kept.count) > 0
+        )
 
     def _lookup(self, hashes: list[bytes]) -> int:
         try:
@@ -174,6 +186,7 @@ class SchedulerSide:
     # ---- each step --------------------------------------------------------------------------
 
     def build_connector_meta(self, so: Any) -> KvtierMetadata:
+        self.decide.step(so.total_num_scheduled_tokens)
         for spec in self._sync_loaded:  # loaded during the previous step's forward
             self._finish_loading(spec.req_id)
         self._sync_loaded = [s for s in self._loads_out if s.sync]
@@ -247,6 +260,10 @@ class SchedulerSide:
             self._finish_loading(req_id)
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvtierWorkerMetadata):
+            for blocks, seconds in meta.load_times:
+                self.decide.loaded(blocks, seconds)
+            for blocks, seconds in meta.save_times:
+                self.decide.saved(blocks, seconds)
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
             if meta.failed_hashes:

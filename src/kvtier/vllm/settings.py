@@ -26,6 +26,9 @@ class ConnectorSettings:
     - ``instance_id``: names this engine's workers and caches (default: vLLM's instance id).
     - ``load_mode``: ``async`` (default: a hit waits in WAITING_FOR_REMOTE_KVS while other
       requests run) or ``sync`` (loads run before the step's forward, which waits for them).
+    - ``load_or_recompute``: decline a hit whose load is estimated slower than recomputing it,
+      from measured rates (default True; ``kvtier.vllm.decide``; counted in
+      ``declined_tokens``).
     - ``save_generated``: save full blocks of generated tokens too (default True: a chat's
       next turn, its prompt = the earlier turns + the answer + a new message, hits the answer).
     - ``worker_cores``: where each rank's kvtier worker runs: ``reserved`` (default: the cores
@@ -49,6 +52,7 @@ class ConnectorSettings:
     model_dir: str | None = None
     instance_id: str | None = None
     load_mode: str = "async"
+    load_or_recompute: bool = True
     save_generated: bool = True
     worker_cores: str = "reserved"
     staging_blocks: int = 16

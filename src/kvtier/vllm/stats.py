@@ -22,6 +22,7 @@ COUNTERS = {
     "lookup_round_trips": "lookups sent to the kvtier workers (a waiting request's answer is kept)",
     "requested_tokens": "prompt tokens looked up in kvtier",
     "found_tokens": "tokens kvtier holds on every rank (accepted hits)",
+    "declined_tokens": "stored tokens not loaded: their recompute was estimated faster",
     "loaded_tokens": "tokens loaded, verified, in vLLM's blocks (summed over ranks)",
     "failed_tokens": "tokens whose load failed and that vLLM recomputed (summed over ranks)",
     "load_bytes": "bytes loaded into vLLM's KV cache",

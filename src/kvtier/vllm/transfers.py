@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
@@ -46,6 +47,7 @@ class StepTransfers:
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_hashes: set[bytes] = set()
+        self._times: tuple[list, list] = ([], [])  # loads, saves: (blocks, seconds)
         self.events: RankEventLog | None = None  # set where kvtier's KV events are published
 
     # ---- each step --------------------------------------------------------------------------
@@ -57,6 +59,7 @@ class StepTransfers:
         for spec in meta.loads:
             task = t.Load(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
             future = self._submit(task)
+            _time(future)
             if spec.sync:
                 sync.append((future, spec))
             else:
@@ -75,6 +78,7 @@ class StepTransfers:
             device_block_ids=[i for spec in meta.saves for i in spec.block_ids],
         )
         future = self._submit(task)
+        _time(future)
         self._count(save_tasks=1)
         hashes = task.block_hashes
         future.add_done_callback(lambda f: self._account_save(f, hashes))  # when answered
@@ -128,10 +132,14 @@ class StepTransfers:
         return errors
 
     def worker_meta(self) -> KvtierWorkerMetadata | None:
-        """Block hashes that failed to load: the scheduler side saves them again."""
-        if not self._failed_hashes:
+        """Block hashes that failed to load (the scheduler side saves them again) and the
+        transfers' times (its load-or-recompute estimates)."""
+        with self._stats_lock:
+            (loads, saves), self._times = self._times, ([], [])
+        if not (self._failed_hashes or loads or saves):
             return None
-        meta, self._failed_hashes = KvtierWorkerMetadata(self._failed_hashes), set()
+        meta = KvtierWorkerMetadata(self._failed_hashes, loads, saves)
+        self._failed_hashes = set()
         return meta
 
     def take_stats(self) -> KvtierConnectorStats | None:
@@ -157,6 +165,8 @@ class StepTransfers:
             self._note_events(result)
             loaded = len(result.blocks)
             self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
+            if loaded == len(spec.block_ids):  # a full load: a sample of the store's speed
+                self._note_time(0, future, loaded)
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
             log.warning("kvtier load for %s failed: %s", spec.req_id, e)
             loaded = 0
@@ -178,8 +188,16 @@ class StepTransfers:
             )
             if result.status is not t.Status.OK:
                 self._count(save_failures=1)
+            else:
+                self._note_time(1, future, len(result.blocks) - result.count)
         except Exception:
             self._count(save_failures=1)
+
+    def _note_time(self, direction: int, future: Future, blocks: int) -> None:
+        started, done = getattr(future, "kvtier_times", (None, None))
+        if started is not None and done is not None:
+            with self._stats_lock:
+                self._times[direction].append((blocks, done - started))
 
     def _note_events(self, result: t.Result, stored: list[bytes] | None = None) -> None:
         if self.events is not None:
@@ -188,6 +206,16 @@ class StepTransfers:
     def _count(self, **counts: float) -> None:
         with self._stats_lock:
             self.stats.add(**counts)
+
+
+def _time(future: Future) -> None:
+    """Record on ``future`` when it was submitted and when it was answered."""
+    started = time.monotonic()
+
+    def answered(f: Future) -> None:
+        f.kvtier_times = (started, time.monotonic())  # type: ignore[attr-defined]
+
+    future.add_done_callback(answered)
 
 
 def _wait(future: Future, timeout_s: float = FENCE_TIMEOUT_S) -> None:

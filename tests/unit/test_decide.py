@@ -1,0 +1,116 @@
+"""Load or recompute at unit level: the fits, the decision, and how it recovers."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.vllm import decide
+from kvtier.vllm.decide import LinearFit, LoadOrRecompute
+
+BS = 16
+
+
+def test_the_fit_finds_a_fixed_cost_and_a_rate() -> None:
+    fit = LinearFit()
+    for n in (1, 4, 16, 64, 8, 2):
+        fit.add(n, 0.05 + 0.002 * n)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.05) and b == pytest.approx(0.002)
+
+
+def test_samples_of_one_size_give_a_rate_through_zero() -> None:
+    fit = LinearFit()
+    for _ in range(5):
+        fit.add(10, 0.5)
+    assert fit.coefficients() == (0.0, pytest.approx(0.05))
+
+
+def test_the_fit_forgets_old_samples() -> None:
+    fit = LinearFit()
+    for n in (1, 8, 32) * 3:
+        fit.add(n, 1.0 + 0.1 * n)  # a slow store...
+    for n in (1, 8, 32) * 20:
+        fit.add(n, 0.001 * n)  # ...then a fast one
+    a, b = fit.coefficients()
+    assert a < 0.01 and b == pytest.approx(0.001, rel=0.05)
+
+
+def _engine(d: LoadOrRecompute, seconds_per_token: float, steps: int = 5) -> None:
+    now = 1000.0
+    for i in range(steps + 1):
+        tokens = 128 * (1 + i % 3)
+        d.step(tokens, now)
+        now += 0.002 + seconds_per_token * tokens
+
+
+def test_every_hit_is_loaded_until_both_rates_are_measured() -> None:
+    d = LoadOrRecompute(BS)
+    for n in (4, 8, 16):
+        d.loaded(n, 100.0)  # a very slow store, but the engine is not measured yet
+    assert d.blocks_to_load(10) == 10
+    _engine(d, 1e-4)
+    assert d.estimates() is not None and d.blocks_to_load(10) == 0
+
+
+def test_a_store_slower_than_prefill_is_declined_and_a_fast_one_loaded() -> None:
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)  # 1 ms per token: 16 ms per block to recompute
+    for n in (4, 8, 16):
+        d.loaded(n, 0.2 * n)  # 200 ms per block: 12x slower than recompute
+    assert d.blocks_to_load(32) == 0
+    fast = LoadOrRecompute(BS)
+    _engine(fast, 1e-3)
+    for n in (4, 8, 16):
+        fast.loaded(n, 0.001 + 0.0005 * n)
+    assert fast.blocks_to_load(32) == 32
+
+
+def test_a_fixed_cost_is_worth_paying_only_for_long_enough_prefixes() -> None:
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)  # 16 ms per block
+    for n in (4, 16, 64):
+        d.loaded(n, 0.5 + 0.001 * n)  # 0.5 s to start, then 1 ms per block
+    assert d.blocks_to_load(8) == 0  # 0.508 s against 0.128 s
+    assert d.blocks_to_load(64) == 64  # 0.564 s against 1.024 s
+
+
+def test_a_quick_load_is_never_declined() -> None:
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-6)  # a tiny model: recompute looks free
+    for n in (1, 2, 4):
+        d.loaded(n, 0.002 * n)
+    assert d.blocks_to_load(4) == 4  # 8 ms: under MIN_DECLINE_S
+
+
+def test_switched_off_it_loads_everything_but_still_measures() -> None:
+    d = LoadOrRecompute(BS, enabled=False)
+    _engine(d, 1e-3)
+    for n in (4, 8, 16):
+        d.loaded(n, 10.0 * n)
+    assert d.blocks_to_load(8) == 8 and d.estimates()["load_s_per_block"] == pytest.approx(10.0)
+
+
+def test_saves_bring_a_declined_store_back_once_loads_are_stale(monkeypatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(decide.time, "monotonic", lambda: clock[0])
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)
+    for n in (4, 8, 16):
+        d.loaded(n, 0.2 * n)
+    assert d.blocks_to_load(32) == 0
+    for n in (4, 8, 16) * 3:
+        d.saved(n, 0.0005 * n)  # right after a load: loads say more than saves
+    assert d.blocks_to_load(32) == 0
+    clock[0] += decide.STALE_S + 1  # no load measured since (all declined)
+    for n in (4, 8, 16) * 10:
+        d.saved(n, 0.0005 * n)
+    assert d.blocks_to_load(32) == 32
+
+
+def test_idle_gaps_and_decode_steps_are_not_prefill_samples() -> None:
+    d = LoadOrRecompute(BS)
+    d.step(500, 0.0)
+    d.step(1, 100.0)  # 100 s after a step of 500 tokens: the engine was idle
+    d.step(1, 100.5)  # a decode step
+    d.step(0, 101.0)
+    assert d.engine.samples == 0
