@@ -72,19 +72,7 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--device-cache", help="name of the shared device cache")
     serve.add_argument("--device-cache-mode", choices=["attach", "create"])
     serve.add_argument("--device", help="cpu, cuda or cuda:N")
-    serve.add_argument(
-        "--storage-backend",
-        "--storage_backend",
-        dest="storage_backend",
-        help="file|mooncake|memory",
-    )
-    serve.add_argument("--storage-root", help="file backend directory")
-    serve.add_argument(
-        "--memory-tier",
-        type=SIZE,
-        metavar="SIZE",
-        help="a host-memory tier of SIZE bytes (K/M/G) in front of the storage backend",
-    )
+    _add_storage_flags(serve)
     serve.add_argument("--namespace", help="model id used in storage keys")
     serve.add_argument("--model-dir", "--model_path", dest="model_dir", help="holds version.yaml")
     serve.add_argument("--endpoint", help="ipc:///PATH or tcp://127.0.0.1:PORT")
@@ -145,6 +133,22 @@ def _serve(args: argparse.Namespace) -> int:
 
         reexec_with(process_environment(mooncake))  # LD_PRELOAD works only from the start
     return Worker(config).serve()
+
+
+def _add_storage_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--storage-backend",
+        "--storage_backend",
+        dest="storage_backend",
+        help="file|mooncake|memory",
+    )
+    serve.add_argument("--storage-root", help="file backend directory")
+    serve.add_argument(
+        "--memory-tier",
+        type=SIZE,
+        metavar="SIZE",
+        help="a host-memory tier of SIZE bytes (K/M/G) in front of the storage backend",
+    )
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -174,7 +174,7 @@ class _Snapshot:
         puts.add_metric([self.rank, "ok"], storage.get("puts", 0))
         puts.add_metric([self.rank, "failed"], storage.get("put_failures", 0))
         yield puts
-        yield from self._tiers(s.get("storage_tiers", []))
+        yield from self._tiers(list(s.get("storage_tiers", {}).values()))
         depth = GaugeMetricFamily(
             "kvtier_queue_depth", "Tasks waiting per executor", labels=["rank", "direction"]
         )

@@ -131,7 +131,7 @@ def screen(stats: list[dict[str, Any]], title: str) -> list[str]:
         ]
         cols = [("kind", "task", "s"), ("tasks", "count", ",d"), ("moved", "moved", "s")]
         lines += render(kinds, [*cols, ("mean_ms", "mean ms", ".2f")])
-    tiers = [dict(t, rank=s["rank"]) for s in stats for t in s.get("storage_tiers", [])]
+    tiers = [dict(t, rank=s["rank"]) for s in stats for t in s.get("storage_tiers", {}).values()]
     if tiers:
         lines += ["", *render(tiers, TIER_COLUMNS)]
     return lines

@@ -295,7 +295,11 @@ class Worker:
             "storage": storage.stats.as_dict() if storage is not None else {},
             "storage_usage": vars(usage) if usage is not None else {},
             "storage_backend": describe_backend(self.config.storage),
-            "storage_tiers": storage.tier_stats() if isinstance(storage, TieredStore) else [],
+            "storage_tiers": (  # by level, fastest first ("0", "1", ...)
+                {str(row["tier"]): row for row in storage.tier_stats()}
+                if isinstance(storage, TieredStore)
+                else {}
+            ),
             "weight_version": self.resources.keys.version,
             "version_pinned": self.resources.versions.pinned,
             "namespace": self.config.namespace,

@@ -158,7 +158,7 @@ def test_a_fresh_engine_with_a_memory_tier_hits_the_store_then_its_memory(
     # said 640 saved tokens beside 0 bytes written).
     assert phases["restart_saves"]["written"] == 0 and phases["restart_saves"]["skipped"] > 0
     assert restart["delta"].get("kvtier_save_bytes", 0) == 0
-    memory, file = phases["restart_tiers"]["tiers"]
+    memory, file = phases["restart_tiers"]["tiers"].values()
     assert phases["restart_tiers"]["backend"] == "memory+file"
     assert (memory["backend"], file["backend"]) == ("memory", "file")
     assert file["hits"] > 0 and memory["promotions"] == file["hits"]

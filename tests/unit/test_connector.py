@@ -234,7 +234,7 @@ def test_a_store_slower_than_recompute_is_declined_from_measured_loads(connector
         scheduler.update_state_after_alloc(req, blocks(ids), 6 * BS)
         meta = scheduler.build_connector_meta(step([(req, ids, 96)], {req.request_id: 100}))
         transfers.start_load_kv(meta)
-        until(lambda: req.request_id in transfers.get_finished(set())[1])
+        until(lambda req_id=req.request_id: req_id in transfers.get_finished(set())[1])
         scheduler.update_connector_output(
             KVConnectorOutput(
                 finished_recving={req.request_id}, kv_connector_worker_meta=transfers.worker_meta()

@@ -184,7 +184,8 @@ class TieredStore(StorageBackend):
         promote = [i for i in loaded_below if i < prefix]
         if promote:
             known = None if checksums_out is None else [int(checksums_out[i]) for i in promote]
-            self._promote([keys[i] for i in promote], [host_blocks[i] for i in promote], known)
+            blocks = [host_blocks[i] for i in promote]
+            self._promote("put_from", [keys[i] for i in promote], blocks, known)
         return self._count(self._answered(results))
 
     def get_into_scattered(self, keys, targets) -> list[bool]:
@@ -202,8 +203,10 @@ class TieredStore(StorageBackend):
                 run = got.index(False) if False in got else len(got)
                 if run:
                     if level > 0:  # verified bytes: the top tier hashes them itself
-                        self._promote_scattered(
-                            keys[start : start + run], targets[start : start + run]
+                        self._promote(
+                            "put_from_scattered",
+                            keys[start : start + run],
+                            targets[start : start + run],
                         )
                     start += run
                     break
@@ -229,29 +232,17 @@ class TieredStore(StorageBackend):
                 continue
             if level == 0 and self.writer is not None:
                 self.writer.saved([k for k, stored in zip(keys, ok) if stored])
-            return self._count_puts_own(ok)
+            return self._count(ok, "puts", "put_failures")
         raise StorageUnavailable("every storage tier is unavailable")
 
-    def _promote(self, keys, blocks, sums) -> None:
-        if not self.health.up(0):
-            return
-        if self._ask(0, self.tiers[0].put_from, keys, blocks, sums, default=None) is not None:
+    def _promote(self, method: str, keys, *args) -> None:
+        """Put what was loaded from below into the top tier (``method``: its put)."""
+        put = getattr(self.tiers[0], method)
+        if self.health.up(0) and self._ask(0, put, keys, *args, default=None):
             self.promotions += len(keys)
 
-    def _promote_scattered(self, keys, targets) -> None:
-        if not self.health.up(0):
-            return
-        if self._ask(0, self.tiers[0].put_from_scattered, keys, targets, default=None) is not None:
-            self.promotions += len(keys)
-
-    def _count(self, results: list[bool]) -> list[bool]:
-        hits = sum(results)
-        self._own.add(hits=hits, misses=len(results) - hits)
-        return results
-
-    def _count_puts_own(self, results: list[bool]) -> list[bool]:
-        ok = sum(results)
-        self._own.add(puts=ok, put_failures=len(results) - ok)
+    def _count(self, results: list[bool], hit: str = "hits", miss: str = "misses") -> list[bool]:
+        self._own.add(**{hit: sum(results), miss: len(results) - sum(results)})
         return results
 
     def delete(self, keys: Sequence[str]) -> int:
