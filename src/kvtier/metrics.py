@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.errors import ConfigError
 from kvtier.http_bounds import BoundedHandler, BoundedHTTPServer
+from kvtier.status import tier_rows
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class _Snapshot:
         puts.add_metric([self.rank, "ok"], storage.get("puts", 0))
         puts.add_metric([self.rank, "failed"], storage.get("put_failures", 0))
         yield puts
-        yield from self._tiers(list(s.get("storage_tiers", {}).values()))
+        yield from self._tiers(tier_rows(s))
         depth = GaugeMetricFamily(
             "kvtier_queue_depth", "Tasks waiting per executor", labels=["rank", "direction"]
         )

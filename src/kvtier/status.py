@@ -131,10 +131,20 @@ def screen(stats: list[dict[str, Any]], title: str) -> list[str]:
         ]
         cols = [("kind", "task", "s"), ("tasks", "count", ",d"), ("moved", "moved", "s")]
         lines += render(kinds, [*cols, ("mean_ms", "mean ms", ".2f")])
-    tiers = [dict(t, rank=s["rank"]) for s in stats for t in s.get("storage_tiers", {}).values()]
+    tiers = [row for s in stats for row in tier_rows(s)]
     if tiers:
         lines += ["", *render(tiers, TIER_COLUMNS)]
     return lines
+
+
+def tier_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """A worker's ``storage_tiers``, one row per tier with its rank, level and backend."""
+    kinds = str(stats.get("storage_backend", "")).split("+")
+    return [
+        dict(counts, rank=stats["rank"], tier=int(level), backend=kinds[int(level)])
+        for level, counts in stats.get("storage_tiers", {}).items()
+        if int(level) < len(kinds)
+    ]
 
 
 TIER_COLUMNS = [

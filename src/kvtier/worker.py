@@ -295,8 +295,10 @@ class Worker:
             "storage": storage.stats.as_dict() if storage is not None else {},
             "storage_usage": vars(usage) if usage is not None else {},
             "storage_backend": describe_backend(self.config.storage),
-            "storage_tiers": (  # by level, fastest first ("0", "1", ...)
-                {str(row["tier"]): row for row in storage.tier_stats()}
+            # By level, fastest first ("0", "1", ...; their backends: ``storage_backend``);
+            # counters only (a result's data nests three levels deep, the last of numbers).
+            "storage_tiers": (
+                {str(row.pop("tier")): (row.pop("backend"), row)[1] for row in storage.tier_stats()}
                 if isinstance(storage, TieredStore)
                 else {}
             ),

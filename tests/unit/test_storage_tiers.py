@@ -197,3 +197,36 @@ def test_one_tier_is_a_chain_of_one(tmp_path, pool) -> None:
         keys = make_keys(2)
         assert _put(chain, pool, keys) == [True, True]
         assert _get(chain, pool, keys) == [True, True]
+
+
+def test_a_workers_stats_status_and_metrics_show_each_tier(tmp_path) -> None:
+    """Through a real client: the counters per tier reach ``stats``, ``kvtier status``'s
+    table and the exporter (a tier label)."""
+    from prometheus_client import generate_latest
+
+    from kvtier import tasks as t
+    from kvtier.client import Client
+    from kvtier.metrics import WorkerMetrics
+    from kvtier.status import screen
+    from worker_helpers import local_worker
+
+    storage = {"tiers": [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path)}]}
+    worker = local_worker("tier", storage=storage)
+    try:
+        with Client.connect([worker.config.endpoint], start_timeout_s=10) as client:
+            hashes = [bytes([i]) * 32 for i in range(3)]
+            assert client.save(hashes, [0, 1, 2]).status is t.Status.OK
+            assert client.load(hashes, [3, 4, 5]).blocks == [3, 4, 5]
+            stats = client.control("stats").per_rank[0].data
+        assert stats["storage_backend"] == "memory+file"
+        memory, file = stats["storage_tiers"]["0"], stats["storage_tiers"]["1"]
+        assert memory["hits"] == 3 and memory["puts"] == 3 and file["hits"] == 0
+        lines = screen([stats], "title")
+        assert any(line.split()[:3] == ["0", "1", "file"] for line in lines), lines
+        text = generate_latest(WorkerMetrics(0, lambda: stats).registry).decode()
+        assert (
+            'kvtier_storage_tier_blocks_total{backend="memory",rank="0",result="hit",tier="0"} 3.0'
+            in text
+        )
+    finally:
+        worker.close()
