@@ -37,7 +37,11 @@ def copy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def storage_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", default="file,mooncake", help="comma-separated")
+    p.add_argument(
+        "--backends",
+        default="file,mooncake",
+        help="comma-separated: file, mooncake, memory (a memory tier in front of a file store)",
+    )
     p.add_argument("--sizes", default="1,8", help="object sizes in MiB: 1 and/or 8")
     p.add_argument(
         "--bytes-per-run",

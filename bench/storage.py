@@ -13,6 +13,8 @@ copy, which hashes while it copies (the worker's load path; see ``kvtier bench c
 - mooncake: kvtier's MooncakeStore (header slot + payload, checksums, verification) against raw
   ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
   pool, through the same client.
+- memory: a tier chain's memory tier (``tiers: [memory, file]``, loads served from memory)
+  against one contiguous memcpy of the same bytes.
 GB/s counts payload bytes (the page-first blocks) for both.
 
 ``--mac on`` (or ``both``) runs kvtier's side with authenticated objects (``storage.mac_key_file``:
@@ -96,8 +98,10 @@ def _run_sizes(args: argparse.Namespace) -> list[dict]:
                 elif backend == "mooncake":
                     rows += _bench_mooncake(args, spec, pool, n, remote=True)
                     rows += _bench_mooncake(args, spec, pool, n, remote=False)
+                elif backend == "memory":
+                    rows += _bench_memory(args, spec, pool, n)
                 else:
-                    raise SystemExit(f"--backends: {backend!r} is not file or mooncake")
+                    raise SystemExit(f"--backends: {backend!r} is not file, mooncake or memory")
     return rows
 
 
@@ -229,6 +233,46 @@ def _file_loads(args, spec, store, raw: RawFiles) -> list[dict]:
             f"load_{temp}_deferred": Trial(lambda: None, lambda _, f=load: f(sums)),
         }
         rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+    return rows
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+
+def _bench_memory(args, spec, pool, n) -> list[dict]:
+    """The memory tier in front of a file store (a tier chain, loads served from memory)
+    against one contiguous memcpy of the same bytes: the limit of any copy out of memory."""
+    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
+    memory = {"backend": "memory", "capacity_bytes": 2 * n * (spec.block_bytes + 64)}
+    tiers = [memory, {"backend": "file", "root": str(root)}]
+    store = make_backend(spec, {"tiers": tiers, "write": "back", **args.store_options})
+    src, dst = pool.slab[:n], pool.slab[n : 2 * n]
+    blocks = [pool.block(i) for i in range(n)]
+    targets = [pool.block(n + i) for i in range(n)]
+    try:
+        trials = {
+            "raw": Trial(lambda: None, lambda _: dst.copy_(src)),
+            **_save_trials(store, spec, blocks),
+        }
+        rows = _rows("memory", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        keys = _keys(spec, n)
+        assert all(store.put_from(keys, blocks))
+        sums = np.zeros(n, dtype=np.uint64)
+
+        def load(out):
+            assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
+
+        trials = {
+            "raw": Trial(lambda: None, lambda _: dst.copy_(src)),
+            "load": Trial(lambda: None, lambda _: load(None)),
+            "load_deferred": Trial(lambda: None, lambda _: load(sums)),
+        }
+        rows += _rows("memory", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        load(None)
+        assert torch.equal(src, dst), "bench storage: loaded bytes differ"
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
     return rows
 
 

@@ -204,9 +204,15 @@ def _make_one(spec: KVCacheSpec, options: dict[str, Any], mac_key: bytes | None)
 
         backend = MooncakeStore(spec, options, mac_key=mac_key)
     elif kind == "memory":
-        from kvtier.storage.memory import MemoryStore
+        capacity = _memory_options(options)
+        if capacity is None:
+            from kvtier.storage.memory import MemoryStore
 
-        backend = MemoryStore(spec, _memory_options(options), mac_key=mac_key)
+            backend = MemoryStore(spec, mac_key=mac_key)
+        else:  # bounded: a preallocated slab (the memory tier)
+            from kvtier.storage.arena import ArenaStore
+
+            backend = ArenaStore(spec, capacity, mac_key=mac_key)
     else:
         raise ConfigError("storage.backend", f"got {kind!r}; allowed: {', '.join(BACKENDS)}")
     if faults:

@@ -93,7 +93,6 @@ class LowerWriter:
         self._spilled: dict[str, bytes] = {}
         self._spilled_bytes = 0
         self._in_flight: set[str] = set()
-        self._forgotten: set[str] = set()  # deleted while in flight: removed below afterwards
         self._stopping = False
         self._ring = HostPool(top.spec, WRITE_BATCH)
         for tier in self.lower:
@@ -130,16 +129,16 @@ class LowerWriter:
             self._cond.notify_all()
 
     def forget(self, keys: Sequence[str]) -> None:
-        """``keys`` were deleted or replaced: never write them down (and remove them below if
-        a write is under way)."""
+        """``keys`` are being deleted or replaced: never write them down. Waits for a write of
+        them under way (one batch), so the caller's delete below comes after it."""
         with self._cond:
+            while self._in_flight.intersection(keys) and self._thread.is_alive():
+                self._cond.wait(0.1)
             for key in keys:
                 self._dirty.discard(key)
                 self._queue.pop(key, None)
                 data = self._spilled.pop(key, None)
                 self._spilled_bytes -= len(data) if data is not None else 0
-                if key in self._in_flight:
-                    self._forgotten.add(key)
 
     @property
     def pending(self) -> int:
@@ -231,7 +230,6 @@ class LowerWriter:
 
     def _finish(self, done: dict[str, bool]) -> None:
         with self._cond:
-            forgotten = [key for key in self._in_flight if key in self._forgotten]
             for key in done:
                 self._dirty.discard(key)
                 data = self._spilled.pop(key, None)
@@ -240,9 +238,5 @@ class LowerWriter:
             # its spill queued it again with its bytes.
             self.counts.written += sum(done.values())
             self.counts.write_failures += len(done) - sum(done.values())
-            self._forgotten.difference_update(self._in_flight)
             self._in_flight = set()
             self._cond.notify_all()
-        for tier in self.lower:
-            if forgotten:
-                tier.delete(forgotten)

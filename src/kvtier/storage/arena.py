@@ -1,0 +1,272 @@
+"""ArenaStore: the memory tier — objects in one preallocated slab of fixed slots, LRU.
+
+``{"backend": "memory", "capacity_bytes": N}`` builds this store: ``N`` bytes are taken once
+at start as a ``HostPool`` of ``N // (64 + block_bytes)`` slots (pre-touched, so no save pays
+for page faults; pinned where CUDA is present, so a hit is one DMA away), each slot holding one
+object, ``[header | block]``. A save is one copy into a free slot (or the least recently used
+one: its object is handed to ``watch_spills`` first), a load one copy out of it; both check the
+object format exactly as every backend does. Without ``capacity_bytes`` the memory backend is
+``MemoryStore`` (objects as Python bytes, growing without bound).
+
+Slots being read are pinned: a save never reuses a slot while a load copies out of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
+from kvtier.host import HostPool
+from kvtier.spec import KVCacheSpec
+from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.format import HEADER_BYTES
+
+
+class ArenaStore(StorageBackend):
+    kind = "memory"
+    quick_lookups = True
+    supports_scattered_reads = True
+    exposes_registered_memory = False
+    persistent = False
+
+    def __init__(
+        self, spec: KVCacheSpec, capacity_bytes: int, *, mac_key: bytes | None = None
+    ) -> None:
+        super().__init__(spec, mac_key)
+        slots = capacity_bytes // self.object_bytes
+        if slots < 1:
+            raise ConfigError(
+                "storage.capacity_bytes",
+                f"{capacity_bytes} bytes hold no object of {self.object_bytes} bytes",
+            )
+        self.capacity_bytes = slots * self.object_bytes
+        self._pool = HostPool(spec, slots)
+        self._views = [memoryview(self._pool.object_view(i).numpy()) for i in range(slots)]
+        # Payload copies go through torch: it splits a large copy over its threads (1 MiB
+        # blocks: 0.89x of one contiguous copy here, against 0.68x for numpy's).
+        self._blocks = [self._pool.block(i) for i in range(slots)]
+        self._dropped: set[int] = set()  # unmapped while pinned: free once the reads end
+        self._slots: OrderedDict[str, int] = OrderedDict()  # LRU first
+        self._lengths = np.zeros(slots, dtype=np.int64)  # bytes written (a short one: corrupt)
+        self._free = list(range(slots - 1, -1, -1))
+        self._pins: Counter[int] = Counter()
+        self._sound: set[str] = set()  # objects whose header is known sound
+        self._lock = threading.Condition()
+        self._spill: Callable[[list[tuple[str, bytes]]], None] | None = None
+
+    def watch_spills(self, listener: Callable[[list[tuple[str, bytes]]], None]) -> None:
+        """As ``MemoryStore.watch_spills``: each evicted object, bytes included."""
+        self._spill = listener
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    def _object(self, slot: int) -> memoryview:
+        return self._views[slot]
+
+    def _release(self, slot: int) -> None:
+        """``slot`` holds no key any more (under the lock): free now, or after its reads."""
+        if self._pins[slot]:
+            self._dropped.add(slot)
+        else:
+            self._free.append(slot)
+
+    def _take_slot(self) -> int:
+        """A slot no key maps to: a free one, or the least recently used unpinned one."""
+        spilled = None
+        with self._lock:
+            while not self._free:
+                victim = next((k for k, s in self._slots.items() if not self._pins[s]), None)
+                if victim is None:
+                    self._lock.wait(0.01)  # every slot is being read: a moment
+                    continue
+                slot = self._slots.pop(victim)
+                self._sound.discard(victim)
+                spilled = (victim, bytes(self._object(slot)[: self._lengths[slot]]))
+                self._free.append(slot)
+                break
+            slot = self._free.pop()
+        if spilled is not None:
+            self.stats.add(evictions=1)
+            if self._spill is not None:
+                self._spill([spilled])
+            self._evicted([spilled[0]])
+        return slot
+
+    def _publish(self, key: str, slot: int, length: int, sound: bool) -> None:
+        with self._lock:
+            old = self._slots.pop(key, None)
+            if old is not None:
+                self._release(old)
+            self._slots[key] = slot
+            self._lengths[slot] = length
+            (self._sound.add if sound else self._sound.discard)(key)
+
+    def _pin(self, key: str) -> int | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                self._slots.move_to_end(key)
+                self._pins[slot] += 1
+            return slot
+
+    def _unpin(self, slot: int) -> None:
+        with self._lock:
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                del self._pins[slot]
+                if slot in self._dropped:
+                    self._dropped.discard(slot)
+                    self._free.append(slot)
+                self._lock.notify_all()
+
+    def _parse(self, key: str, slot: int):
+        """The header fields of ``key``'s object in ``slot`` (ObjectCorrupt if unsound)."""
+        if self._lengths[slot] != self.object_bytes:
+            raise ObjectCorrupt(f"object is {self._lengths[slot]} bytes, not {self.object_bytes}")
+        return self.format.parse(self._object(slot)[:HEADER_BYTES], key, self.payload_bytes)
+
+    def _bad(self, key: str, error: ObjectCorrupt) -> None:
+        self._corrupt(key, error)
+        self.delete([key])
+
+    # ---- the contract -------------------------------------------------------------------------
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        for n, key in enumerate(keys):
+            if key not in self._sound and not self._header_ok(key):
+                return n
+        return len(keys)
+
+    def _header_ok(self, key: str) -> bool:
+        slot = self._pin(key)
+        if slot is None:
+            return False
+        try:
+            self._parse(key, slot)
+        except ObjectCorrupt as e:
+            self._unpin(slot)
+            self._bad(key, e)
+            return False
+        with self._lock:
+            if self._slots.get(key) == slot:
+                self._sound.add(key)
+        self._unpin(slot)
+        return True
+
+    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out)
+        results = []
+        for i, (key, block) in enumerate(zip(keys, host_blocks)):
+            slot = self._pin(key)
+            if slot is None:
+                results.append(False)
+                continue
+            try:
+                data = self._object(slot)
+                fields = self._parse(key, slot)
+                block.copy_(self._blocks[slot])
+                payload = block.numpy().data
+                self.format.check_or_defer(
+                    data[:HEADER_BYTES], payload, key, checksums_out, i, fields=fields
+                )
+                results.append(True)
+            except ObjectCorrupt as e:
+                self._bad(key, e)
+                results.append(False)
+            finally:
+                self._unpin(slot)
+        return self._count_gets(results)
+
+    def get_into_scattered(self, keys, targets) -> list[bool]:
+        self._check_scattered(keys, targets)
+        results: list[bool] = []
+        for key, views in zip(keys, targets):
+            slot = self._pin(key)
+            if slot is None:
+                break  # the prefix ends here: later keys are not read
+            try:
+                data = self._object(slot)
+                fields = self._parse(key, slot)
+                offset = HEADER_BYTES
+                for view in views:
+                    view[:] = data[offset : offset + len(view)]
+                    offset += len(view)
+                self.format.check(
+                    data[:HEADER_BYTES], views, key, self.payload_bytes, fields=fields
+                )
+            except ObjectCorrupt as e:
+                for view in views:
+                    view[:] = bytes(len(view))
+                self._bad(key, e)
+                break
+            finally:
+                self._unpin(slot)
+            results.append(True)
+        return self._count_gets(results + [False] * (len(keys) - len(results)))
+
+    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums)
+        for i, (key, block) in enumerate(zip(keys, host_blocks)):
+            if self._header_ok(key):
+                continue  # immutable: the stored object stays (a corrupt one is replaced)
+            known = checksums[i] if checksums is not None else None
+            slot = self._take_slot()
+            self._blocks[slot].copy_(block)
+            header = self.format.header(key, [self._blocks[slot].numpy()], known)
+            self._object(slot)[:HEADER_BYTES] = header
+            self._publish(key, slot, self.object_bytes, sound=True)
+        return self._count_puts([True] * len(keys))
+
+    def put_from_scattered(self, keys, sources) -> list[bool]:
+        self._check_scattered(keys, sources)
+        for key, views in zip(keys, sources):
+            if self._header_ok(key):
+                continue
+            slot = self._take_slot()
+            data, offset = self._object(slot), HEADER_BYTES
+            for view in views:
+                data[offset : offset + len(view)] = view
+                offset += len(view)
+            data[:HEADER_BYTES] = self.format.header(key, [self._blocks[slot].numpy()])
+            self._publish(key, slot, self.object_bytes, sound=True)
+        return self._count_puts([True] * len(keys))
+
+    def delete(self, keys: Sequence[str]) -> int:
+        removed = 0
+        with self._lock:
+            for key in keys:
+                slot = self._slots.pop(key, None)
+                self._sound.discard(key)
+                if slot is not None:
+                    self._release(slot)  # a pinned reader still finishes its copy
+                    removed += 1
+        return removed
+
+    def usage(self) -> StorageUsage:
+        with self._lock:
+            n = len(self._slots)
+        return StorageUsage(n * self.object_bytes, n, self.capacity_bytes)
+
+    def read_object(self, key: str) -> bytes | None:
+        slot = self._pin(key)
+        if slot is None:
+            return None
+        try:
+            return bytes(self._object(slot)[: self._lengths[slot]])
+        finally:
+            self._unpin(slot)
+
+    def write_object(self, key: str, data: bytes) -> None:
+        if len(data) > self.object_bytes:
+            raise StorageError(f"an object of {len(data)} bytes does not fit a memory slot")
+        self.delete([key])
+        slot = self._take_slot()
+        self._object(slot)[: len(data)] = data
+        self._publish(key, slot, len(data), sound=False)
+
+    def close(self) -> None:
+        self._pool.close()
