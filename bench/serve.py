@@ -100,7 +100,11 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
     if label == "kvtier":
         extra = {
             **json.loads(args.kvtier_settings),
-            "storage": {"backend": "file", "root": str(root / f"store{run}")},
+            "storage": {
+                "backend": "file",
+                "root": str(root / f"store{run}"),
+                **({"faults": json.loads(args.store_faults)} if args.store_faults else {}),
+            },
         }
     server = Server(
         model,

@@ -24,6 +24,9 @@ from kvtier.storage.base import StorageBackend, StorageUsage
 @dataclass(frozen=True)
 class FaultConfig:
     latency_s: float = 0.0  # added to every call
+    # Added to every read and write of objects, not to lookups: a slow transfer path (a
+    # congested link, a disk busy with others) in front of a quick index.
+    transfer_latency_s: float = 0.0
     error_rate: float = 0.0  # per key: a put is not stored / a get reports a miss
     corrupt_rate: float = 0.0  # per stored object: one random bit flipped after the put
     unavailable_after_s: float | None = None  # outage window, seconds after start
@@ -38,8 +41,9 @@ class FaultConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"storage.faults.{name}", f"must be in [0, 1], got {value!r}")
-        if self.latency_s < 0 or self.unavailable_for_s < 0:
-            raise ConfigError("storage.faults", "latency_s and unavailable_for_s must be >= 0")
+        for name in ("latency_s", "transfer_latency_s", "unavailable_for_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"storage.faults.{name}", "must be >= 0")
         if self.unavailable_while is not None and not isinstance(self.unavailable_while, str):
             raise ConfigError("storage.faults.unavailable_while", "must be a file path")
 
@@ -71,6 +75,8 @@ class FaultInjectingStore(StorageBackend):
     def _enter(self, what: str) -> None:
         if self.config.latency_s:
             time.sleep(self.config.latency_s)
+        if self.config.transfer_latency_s and what in ("get_into", "put_from"):
+            time.sleep(self.config.transfer_latency_s)
         start = self.config.unavailable_after_s
         elapsed = time.monotonic() - self._started
         in_window = start is not None and start <= elapsed < start + self.config.unavailable_for_s

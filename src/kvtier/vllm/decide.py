@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 
 KEEP = 0.8  # the weight of the samples before each new one: a sample counts ~5 samples long
-MIN_SAMPLES = 3
+MIN_SAMPLES = 2  # the first loads of a slow store must not be paid for to learn it
 STALE_S = 2.0
 MIN_STEP_TOKENS = 64
 MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
