@@ -181,8 +181,8 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-faults",
         metavar="JSON",
-        help='the kvtier server\'s store through the fault injector, e.g. '
-        '\'{"transfer_latency_s": 2}\' (a slow store: see load_or_recompute)',
+        help="the kvtier server's store through the fault injector, e.g. "
+        "'{\"transfer_latency_s\": 2}' (a slow store: see load_or_recompute)",
     )
     server_pair_arguments(p)
     p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")

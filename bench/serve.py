@@ -35,6 +35,7 @@ COUNTERS = {
     "external_hit_tokens": "vllm:external_prefix_cache_hits_total",
     "kvtier_loaded_tokens": "vllm:kvtier_loaded_tokens_total",
     "kvtier_failed_tokens": "vllm:kvtier_failed_tokens_total",
+    "kvtier_declined_tokens": "vllm:kvtier_declined_tokens_total",
     "lookup_round_trips": "vllm:kvtier_lookup_round_trips_total",
     "save_tasks": "vllm:kvtier_save_tasks_total",
     "preemptions": "vllm:num_preemptions_total",

@@ -279,6 +279,15 @@ def scenario_restart(args: dict) -> None:
     with kvtier_client(args) as client:
         stats = client.control("stats").per_rank[0].data
     emit("restart_tiers", tiers=stats["storage_tiers"], backend=stats["storage_backend"])
+    if args.get("outage"):  # the lower tier goes down: the memory tier keeps serving
+        Path(args["outage"]).touch()
+        reset(llm)
+        emit(
+            "lower_down", **generate(llm, prompts() + prompts(2, 300, 800))
+        )  # new blocks; ids < vocab 1024
+        with kvtier_client(args) as client:
+            stats = client.control("stats").per_rank[0].data
+        emit("lower_down_tiers", tiers=stats["storage_tiers"])
 
 
 def scenario_tp(args: dict) -> None:

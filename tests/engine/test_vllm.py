@@ -140,17 +140,15 @@ def test_the_engine_leaves_nothing_behind(single) -> None:
 
 
 def test_a_fresh_engine_with_a_memory_tier_hits_the_store_then_its_memory(
-    reference, single, model, store
+    reference, single, model, store, tmp_path
 ) -> None:
     """A fresh engine with ``tiers: [memory, file]`` on the store the first engine filled: its
-    first hits come from the file tier (and are promoted), the next ones from memory."""
-    storage = {
-        "tiers": [
-            {"backend": "memory", "capacity_bytes": 64 << 20},
-            {"backend": "file", "root": store},
-        ]
-    }
-    phases = run("restart", model=model, instance=_instance(), storage=storage)
+    first hits come from the file tier (and are promoted), the next ones from memory; then the
+    file tier goes down and the memory tier keeps serving: no failed load, the same tokens."""
+    outage = str(tmp_path / "outage")
+    file = {"backend": "file", "root": store, "faults": {"unavailable_while": outage}}
+    storage = {"tiers": [{"backend": "memory", "capacity_bytes": 64 << 20}, file]}
+    phases = run("restart", model=model, instance=_instance(), storage=storage, outage=outage)
     restart, again = phases["restart"], phases["restart_again"]
     assert restart["tokens"] == again["tokens"] == reference["reference"]["tokens"]
     assert external_hits(restart) > 0 and external_hits(again) > 0
@@ -163,6 +161,13 @@ def test_a_fresh_engine_with_a_memory_tier_hits_the_store_then_its_memory(
     assert file["hits"] > 0 and memory["promotions"] == file["hits"]
     assert memory["hits"] >= file["hits"]  # the second pass: every block from memory
     assert again["delta"]["kvtier_failed_tokens"] == 0
+    down = phases["lower_down"]
+    assert down["tokens"][:4] == reference["reference"]["tokens"] and len(down["tokens"]) == 6
+    assert external_hits(down) > 0 and down["delta"]["kvtier_failed_tokens"] == 0
+    memory_after, file_after = (phases["lower_down_tiers"]["tiers"][lv] for lv in ("0", "1"))
+    assert memory_after["hits"] > memory["hits"] and file_after["unavailable"] > 0, phases[
+        "lower_down_tiers"
+    ]
 
 
 def test_tensor_parallel_2_in_vllms_multiprocess_mode(reference, model, tmp_path, figures) -> None:
