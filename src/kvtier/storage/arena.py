@@ -45,7 +45,7 @@ class ArenaStore(StorageBackend):
             )
         self.capacity_bytes = slots * self.object_bytes
         self._pool = HostPool(spec, slots)
-        self._views = [memoryview(self._pool.object_view(i).numpy()) for i in range(slots)]
+        self._views = [self._pool.object_view(i).numpy().data for i in range(slots)]
         # Payload copies go through torch: it splits a large copy over its threads (1 MiB
         # blocks: 0.89x of one contiguous copy here, against 0.68x for numpy's).
         self._blocks = [self._pool.block(i) for i in range(slots)]
