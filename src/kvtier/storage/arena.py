@@ -76,7 +76,7 @@ class ArenaStore(StorageBackend):
 
     def _take_slot(self) -> int:
         """A slot no key maps to: a free one, or the least recently used unpinned one."""
-        spilled = None
+        victim = None
         with self._lock:
             while not self._free:
                 victim = next((k for k, s in self._slots.items() if not self._pins[s]), None)
@@ -85,15 +85,17 @@ class ArenaStore(StorageBackend):
                     continue
                 slot = self._slots.pop(victim)
                 self._sound.discard(victim)
-                spilled = (victim, bytes(self._object(slot)[: self._lengths[slot]]))
+                # Its bytes are copied out only for a listener (a chain writing them down).
+                if self._spill is not None:
+                    data = bytes(self._object(slot)[: self._lengths[slot]])
                 self._free.append(slot)
                 break
             slot = self._free.pop()
-        if spilled is not None:
+        if victim is not None:
             self.stats.add(evictions=1)
             if self._spill is not None:
-                self._spill([spilled])
-            self._evicted([spilled[0]])
+                self._spill([(victim, data)])
+            self._evicted([victim])
         return slot
 
     def _publish(self, key: str, slot: int, length: int, sound: bool) -> None:
