@@ -184,6 +184,12 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
         help="the kvtier server's store through the fault injector, e.g. "
         "'{\"transfer_latency_s\": 2}' (a slow store: see load_or_recompute)",
     )
+    p.add_argument(
+        "--memory-tier",
+        type=SIZE,
+        metavar="SIZE",
+        help="a memory tier of SIZE in front of the kvtier server's (possibly faulty) file store",
+    )
     server_pair_arguments(p)
     p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")
 

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.storage import with_memory_tier
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import print_json_rows, progress, save_plot
 from kvtier_bench.vllm_server import Server
@@ -36,6 +37,7 @@ COUNTERS = {
     "kvtier_loaded_tokens": "vllm:kvtier_loaded_tokens_total",
     "kvtier_failed_tokens": "vllm:kvtier_failed_tokens_total",
     "kvtier_declined_tokens": "vllm:kvtier_declined_tokens_total",
+    "kvtier_unsaved_tokens": "vllm:kvtier_unsaved_tokens_total",
     "lookup_round_trips": "vllm:kvtier_lookup_round_trips_total",
     "save_tasks": "vllm:kvtier_save_tasks_total",
     "preemptions": "vllm:num_preemptions_total",
@@ -99,14 +101,14 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
     """One fresh server (``plain``, ``kvtier`` or ``ideal``) through every workload."""
     extra = None
     if label == "kvtier":
-        extra = {
-            **json.loads(args.kvtier_settings),
-            "storage": {
-                "backend": "file",
-                "root": str(root / f"store{run}"),
-                **({"faults": json.loads(args.store_faults)} if args.store_faults else {}),
-            },
+        storage: dict[str, Any] = {
+            "backend": "file",
+            "root": str(root / f"store{run}"),
+            **({"faults": json.loads(args.store_faults)} if args.store_faults else {}),
         }
+        if args.memory_tier:
+            storage = with_memory_tier(storage, args.memory_tier)
+        extra = {**json.loads(args.kvtier_settings), "storage": storage}
     server = Server(
         model,
         root / f"{label}{run}",

@@ -252,6 +252,21 @@ def test_a_store_slower_than_recompute_is_declined_from_measured_loads(connector
         assert meta.lookup_counts["declined_tokens"] == 6 * BS
     else:
         assert scheduler.get_num_new_matched_tokens(late, 0) == (6 * BS, True)
+    # New prompts: the first is saved (a probe of the store); the second, within STALE_S, is
+    # saved only when its load would be taken — else it is counted unsaved, never fenced.
+    saves = []
+    for n, first in ((10, 7000), (11, 7200)):
+        req = request(f"r{n}", list(range(first, first + PROMPT)))
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        scheduler.update_state_after_alloc(req, blocks(list(range(7))), 0)
+        meta = scheduler.build_connector_meta(step([(req, list(range(7)), 0)], {f"r{n}": PROMPT}))
+        saves.append([len(s.block_hashes) for s in meta.saves])
+        assert scheduler.request_finished(req)[0] == bool(meta.saves)  # fenced iff saved
+    counts = scheduler.build_connector_meta(step([], {})).lookup_counts  # the step's counts
+    if declines:
+        assert saves == [[6], []] and counts["unsaved_tokens"] == 6 * BS
+    else:
+        assert saves == [[6], [6]] and "unsaved_tokens" not in counts
 
 
 def test_a_lost_worker_costs_a_recompute_never_a_hang(connector) -> None:

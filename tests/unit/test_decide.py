@@ -114,3 +114,23 @@ def test_idle_gaps_and_decode_steps_are_not_prefill_samples() -> None:
     d.step(1, 100.5)  # a decode step
     d.step(0, 101.0)
     assert d.engine.samples == 0
+
+
+def test_saves_follow_loads_with_one_probe_per_stale_period() -> None:
+    """A prefix whose load would be declined is not saved, but for one probe per STALE_S;
+    a store whose loads are taken is always saved to, as is any store before it is measured."""
+    d = LoadOrRecompute(BS)
+    assert all(d.worth_saving(8, now=0.0) for _ in range(3))  # nothing measured yet
+    _engine(d, 1e-3)
+    for n in (4, 8, 16):
+        d.loaded(n, 0.2 * n)  # 12x slower than recompute
+    assert d.blocks_to_load(8) == 0
+    assert d.worth_saving(8, now=10.0)  # the probe
+    assert not d.worth_saving(8, now=10.0 + decide.STALE_S / 2)
+    assert d.worth_saving(8, now=10.0 + decide.STALE_S)  # the next probe
+    assert d.worth_saving(0, now=10.5)  # nothing to save: nothing declined
+    off = LoadOrRecompute(BS, enabled=False)
+    _engine(off, 1e-3)
+    for n in (4, 8, 16):
+        off.loaded(n, 0.2 * n)
+    assert all(off.worth_saving(8, now=10.0) for _ in range(3))

@@ -19,6 +19,12 @@ A hit of ``n`` blocks of ``block_size`` tokens is loaded iff ``a + b·n < c·n·
 load takes less than ``MIN_DECLINE_S`` anyway. Both
 costs are linear in ``n``, so the answer is all or nothing: the whole found prefix, or none of
 it. Until both estimates have ``MIN_SAMPLES`` samples every hit is loaded.
+
+**Saves follow loads**: a prefix whose load would be declined is not saved either. Its save
+would be worth nothing (the next hit on it would be declined) and would cost the engine: a
+request keeps its vLLM blocks until its saves are written, so slow saves fill the KV cache and
+later requests queue for space. One such save per ``STALE_S`` still goes out, as a probe: its
+time keeps the store's estimate current, so a store that recovers is used again.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ class LoadOrRecompute:
         self.block_size, self.enabled = block_size, enabled
         self.store = LinearFit()  # seconds per load of n blocks
         self.engine = LinearFit()  # seconds per step of n tokens
-        self._last_load_at = float("-inf")
+        self._last_load_at = self._last_probe_at = float("-inf")
         self._last_step: tuple[float, int] | None = None
 
     def loaded(self, blocks: int, seconds: float) -> None:
@@ -111,3 +117,14 @@ class LoadOrRecompute:
         load_s = rates["load_fixed_s"] + rates["load_s_per_block"] * found
         recompute_s = rates["prefill_s_per_token"] * found * self.block_size
         return found if load_s < max(recompute_s, MIN_DECLINE_S) else 0
+
+    def worth_saving(self, blocks: int, now: float | None = None) -> bool:
+        """Save a prefix of ``blocks`` blocks? Yes unless its load would be declined; then no,
+        but for one probe per ``STALE_S`` (module docstring)."""
+        if blocks <= 0 or self.blocks_to_load(blocks) > 0:
+            return True
+        now = time.monotonic() if now is None else now
+        if now - self._last_probe_at < STALE_S:
+            return False
+        self._last_probe_at = now
+        return True

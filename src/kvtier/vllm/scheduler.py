@@ -18,7 +18,8 @@
 - Saves: every full prompt block — and, with ``save_generated`` (default), every full block of
   generated tokens, so a chat's next turn hits its previous answer — once the step that
   computes it has run (chunked prefill included), is saved asynchronously by the worker sides
-  (``wait_for_save``: one task per step), never on the critical path.
+  (``wait_for_save``: one task per step), never on the critical path. Blocks whose load would
+  be declined are not saved (``unsaved_tokens``; ``kvtier.vllm.decide``).
 - Fences: a request whose load or saves are still in flight keeps its blocks after it finishes
   (``request_finished`` returns True) until the workers report the transfer done; a preempted
   request's saves are waited for before its blocks are reused (``handle_preemptions``).
@@ -241,6 +242,9 @@ class SchedulerSide:
         while skip < len(hashes) and hashes[skip] in self._submitted:
             skip += 1
         if skip == len(hashes):
+            return None
+        if not self.decide.worth_saving(full):  # its load would be declined: not worth a fence
+            self._counts.update(unsaved_tokens=(len(hashes) - skip) * self.block_size)
             return None
         for h in hashes[skip:]:
             self._remember(h)

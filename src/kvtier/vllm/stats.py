@@ -32,6 +32,7 @@ COUNTERS = {
     "save_bytes": "bytes written to storage",
     "save_failures": "save tasks that failed",
     "save_tasks": "save tasks sent (one per step that saves)",
+    "unsaved_tokens": "tokens not saved: a load of them would be declined (load_or_recompute)",
 }
 
 
