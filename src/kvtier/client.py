@@ -248,7 +248,13 @@ class Client:
 
     def lookup(self, block_hashes, timeout_s=None) -> int:
         """How many leading blocks every rank has stored."""
-        return self._call(t.Lookup(block_hashes=list(block_hashes)), timeout_s).count
+        return self.lookup_tiers(block_hashes, timeout_s)[0]
+
+    def lookup_tiers(self, block_hashes, timeout_s=None) -> tuple[int, bytes]:
+        """How many leading blocks every rank has stored, and the tier each would load from
+        (one byte per block, 0 = the fastest; empty: all from the first tier)."""
+        result = self._call(t.Lookup(block_hashes=list(block_hashes)), timeout_s)
+        return result.count, result.tiers
 
     def control(self, method: str, timeout_s: float | None = None, **args: Any) -> ControlAnswer:
         """pause, resume, update_weights [version=...], sleep, wakeup or stats, on every rank."""

@@ -52,6 +52,7 @@ class Outcome:
     count: int = 0
     bytes_moved: int = 0
     message: str = ""
+    tiers: bytes = b""  # a lookup's tier of each found block (Result.tiers)
 
 
 class DataPath:
@@ -143,7 +144,8 @@ class DataPath:
     def _lookup(self, task: Lookup, keys: KeyScheme) -> Outcome:
         storage_keys = keys.keys(task.block_hashes)
         try:
-            return Outcome(Status.OK, count=self.storage.exists_prefix(storage_keys))
+            count, tiers = self.storage.prefix_tiers(storage_keys)
+            return Outcome(Status.OK, count=count, tiers=tiers)
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
 

@@ -38,7 +38,7 @@ def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
 
     ``bytes_moved`` is the sum over ranks (each rank moves its own shard); ``seconds`` the
     slowest rank; ``count`` (lookup: found; save: already stored) the smallest; ``code``
-    (control) the worst; ``removed`` blocks the union.
+    (control) the worst; ``removed`` blocks the union; ``tiers`` (lookup) per block the slowest.
     """
     ordered = [results[r] for r in sorted(results)]
     worst = max(ordered, key=lambda res: t.STATUS_ORDER[res.status])
@@ -57,4 +57,15 @@ def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
         # a block is gone from the store once any rank's part of it is
         removed=list(dict.fromkeys(h for res in ordered for h in res.removed)),
         all_removed=any(res.all_removed for res in ordered),
+        tiers=_slowest_tiers(ordered),
     )
+
+
+def _slowest_tiers(ordered: list[t.Result]) -> bytes:
+    """A lookup's tier per block over ranks: the slowest rank's (a load waits for every rank),
+    over the blocks every rank holds."""
+    if not any(res.tiers for res in ordered):
+        return b""
+    count = min(res.count for res in ordered)
+    per_rank = [res.tiers[:count].ljust(count, b"\0") for res in ordered]
+    return bytes(max(levels) for levels in zip(*per_rank))

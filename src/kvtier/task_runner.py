@@ -161,6 +161,7 @@ class TaskRunner:
             rank=self.rank,
             removed=removed,
             all_removed=all_removed,
+            tiers=outcome.tiers,
         )
         self._send(peer, result)
 

@@ -175,6 +175,9 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     # such result (evicted), or all of them (a weight update) — ``kvtier.removals``.
     removed: BlockHashes = []
     all_removed: bool = False
+    # Lookup on a tier chain: the tier (0 = fastest) each of the ``count`` blocks would load
+    # from, one byte each; empty when every one comes from the first tier (``kvtier.storage``).
+    tiers: Annotated[bytes, msgspec.Meta(max_length=MAX_IDS_PER_TASK)] = b""
 
 
 class Welcome(_Message, tag="welcome", frozen=True, kw_only=True):

@@ -48,6 +48,7 @@ MAC_KEY_ENV = "KVTIER_STORAGE_MAC_KEY"
 # A tier chain (kvtier.storage.tiers): ``tiers`` is a list of backend mappings, fastest first.
 CHAIN_OPTIONS = ("tiers", "write", "pending_bytes", "flush_timeout_s", MAC_KEY_FILE)
 WRITE_MODES = ("through", "back")
+MAX_TIERS = 8  # a lookup names each block's tier in one byte; more tiers than this buy nothing
 
 
 def tier_configs(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -91,6 +92,8 @@ def _chain_options(config: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], 
     tiers = config["tiers"]
     if not isinstance(tiers, list) or not tiers:
         raise ConfigError("storage.tiers", "must be a list of backend mappings, fastest first")
+    if len(tiers) > MAX_TIERS:
+        raise ConfigError("storage.tiers", f"has {len(tiers)} tiers; at most {MAX_TIERS}")
     for i, tier in enumerate(tiers):
         if not isinstance(tier, Mapping):
             raise ConfigError(f"storage.tiers[{i}]", "must be a mapping with a 'backend' key")

@@ -168,6 +168,11 @@ class StorageBackend(ABC):
         """How many leading ``keys`` are stored with a sound header (stops at the first hole).
         Reads no payload. Raises StorageUnavailable when the store cannot be reached."""
 
+    def prefix_tiers(self, keys: Sequence[str]) -> tuple[int, bytes]:
+        """``exists_prefix(keys)``, and the tier (0 = the fastest) each of those blocks would
+        load from, one byte each; empty when all come from the first (one backend: always)."""
+        return self.exists_prefix(keys), b""
+
     @abstractmethod
     def get_into(
         self,

@@ -141,16 +141,21 @@ class TieredStore(StorageBackend):
     # ---- the contract ------------------------------------------------------------------------
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
-        start, live = 0, self._live()
-        while start < len(keys):
+        return self.prefix_tiers(keys)[0]
+
+    def prefix_tiers(self, keys: Sequence[str]) -> tuple[int, bytes]:
+        """Runs of the prefix, each from the fastest live tier that holds its first block."""
+        levels, live = bytearray(), self._live()
+        while len(levels) < len(keys):
             for level, tier in live:
-                found = self._ask(level, tier.exists_prefix, keys[start:], default=0)
+                found = self._ask(level, tier.exists_prefix, keys[len(levels) :], default=0)
                 if found:
-                    start += found
+                    levels += bytes([level]) * found
                     break
             else:
                 break
-        return self._answered(start)
+        self._answered(None)
+        return len(levels), bytes(levels) if any(levels) else b""
 
     def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums_out)

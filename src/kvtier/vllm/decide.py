@@ -1,39 +1,55 @@
-"""Load or recompute: per request, from measured rates, whether loading a stored prefix is
-faster than computing it again.
+"""Load or recompute: per request, from measured rates, how much of a stored prefix is faster
+to load than to compute again.
 
 A slow store (a cluster behind a congested link, a disk under other load, a tier that is
 failing) makes a hit slower than no hit: the request waits for its load while the engine could
-have prefilled those tokens in less time. The scheduler side keeps two running estimates and
-declines a hit whose load would take longer than its recompute:
+have prefilled those tokens in less time. The scheduler side keeps running estimates and loads
+only what pays:
 
-- **the store**: load time of ``n`` blocks, ``t = a + b·n`` (a least-squares fit with
-  exponential forgetting), from kvtier's own transfers: each load's time from submission to
-  its answer, as the vLLM worker sides saw it. While loads are declined no load is measured,
-  so saves (the same store, off the critical path) keep the estimate current: a save is
-  counted when no load was measured for ``STALE_S``.
+- **each tier of the store**: load time of ``n`` blocks from tier ``i``, ``t = a_i + b_i·n``
+  (a least-squares fit with exponential forgetting), from kvtier's own transfers: each load's
+  time from submission to its answer, as the vLLM worker sides saw it, with the tier of each
+  block its lookup named (``Result.tiers``; one backend is one tier). A load that spans tiers
+  is a sample of its slowest tier, less what the others' estimates say their blocks took.
 - **the engine**: prefill time per token ``c``, the slope of step time over scheduled tokens,
   from the time between two scheduler steps (steps of at least ``MIN_STEP_TOKENS`` only:
   decode-only steps say little about prefill).
 
-A hit of ``n`` blocks of ``block_size`` tokens is loaded iff ``a + b·n < c·n·block_size`` or the
-load takes less than ``MIN_DECLINE_S`` anyway. Both
-costs are linear in ``n``, so the answer is all or nothing: the whole found prefix, or none of
-it. Until both estimates have ``MIN_SAMPLES`` samples every hit is loaded.
+The load of the first ``k`` found blocks is estimated as the largest fixed cost of the tiers it
+touches plus ``Σ b_i·n_i``; its recompute as ``c·k·block_size``. Of the prefixes that end where
+a run of one tier ends (so one backend gives all or nothing), those whose load is faster than
+their recompute — or under ``MIN_DECLINE_S`` anyway — qualify, and the one that saves the most
+time is loaded: with ``[memory, slow store]`` the part in memory is loaded and the rest
+recomputed. Until the engine and every tier a prefix touches have ``MIN_SAMPLES`` samples the
+whole prefix is loaded (that is how the rates are learnt).
 
-**Saves follow loads**: a prefix whose load would be declined is not saved either. Its save
-would be worth nothing (the next hit on it would be declined) and would cost the engine: a
-request keeps its vLLM blocks until its saves are written, so slow saves fill the KV cache and
-later requests queue for space. One such save per ``STALE_S`` still goes out, as a probe: its
-time keeps the store's estimate current, so a store that recovers is used again.
+A slow first tier is noticed before its first answer: a save still unanswered after ``t``
+seconds (the vLLM worker sides report their oldest each step) puts a floor under the first
+tier's rate, ``t / blocks`` per block, until it is answered.
+
+An estimate must follow a store that recovers, though a declined tier is no longer loaded from:
+- saves (to the first tier) count as its samples while no load of it was measured for
+  ``STALE_S``;
+- a lower tier whose estimate is older than ``PROBE_S`` gets one load through (a probe).
+
+**Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
+either. Its save would be worth nothing (the next hit on it would be declined) and would cost
+the engine: a request keeps its vLLM blocks until its saves are written, so slow saves fill
+the KV cache and later requests queue for space. One such save per ``STALE_S`` still goes out,
+as a probe: its time keeps the estimate current, so a store that recovers is used again (none
+while a save is still unanswered: that one is the probe).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 KEEP = 0.8  # the weight of the samples before each new one: a sample counts ~5 samples long
 MIN_SAMPLES = 2  # the first loads of a slow store must not be paid for to learn it
 STALE_S = 2.0
+PROBE_S = 30.0  # a declined lower tier is tried again this often (one request pays)
+FLOOR_S = 1.0  # a waiting save's floor holds this long unless reported again (every step)
 MIN_STEP_TOKENS = 64
 MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
 # A load estimated to take less than this is always taken: declining it could save at most
@@ -46,6 +62,7 @@ class LinearFit:
 
     def __init__(self) -> None:
         self.samples = 0
+        self.at = float("-inf")  # time.monotonic() of the last sample
         self._s1 = self._sn = self._st = self._snn = self._snt = 0.0
 
     def add(self, n: float, t: float) -> None:
@@ -56,6 +73,7 @@ class LinearFit:
         self._snn = self._snn * k + n * n
         self._snt = self._snt * k + n * t
         self.samples += 1
+        self.at = time.monotonic()
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)``, both >= 0; all samples of one size: ``a = 0``, ``b`` = their mean rate."""
@@ -76,19 +94,55 @@ class LoadOrRecompute:
 
     def __init__(self, block_size: int, enabled: bool = True) -> None:
         self.block_size, self.enabled = block_size, enabled
-        self.store = LinearFit()  # seconds per load of n blocks
+        self.tiers: list[LinearFit] = [LinearFit()]  # seconds per load of n blocks, per tier
         self.engine = LinearFit()  # seconds per step of n tokens
-        self._last_load_at = self._last_probe_at = float("-inf")
+        self._last_probe_at = self._first_tier_loaded_at = float("-inf")
+        self._probed_at: dict[int, float] = {}
+        self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a waiting save
         self._last_step: tuple[float, int] | None = None
 
-    def loaded(self, blocks: int, seconds: float) -> None:
-        if blocks > 0:
-            self.store.add(blocks, seconds)
-            self._last_load_at = time.monotonic()
+    @property
+    def store(self) -> LinearFit:
+        """The first tier's fit (the only one of a single backend)."""
+        return self.tiers[0]
+
+    def _fit(self, tier: int) -> LinearFit:
+        while len(self.tiers) <= tier:
+            self.tiers.append(LinearFit())
+        return self.tiers[tier]
+
+    # ---- samples ----------------------------------------------------------------------------
+
+    def loaded(self, blocks: int | Sequence[int], seconds: float) -> None:
+        """A full load took ``seconds``: ``blocks`` of the first tier, or per tier a count."""
+        counts = [blocks] if isinstance(blocks, int) else list(blocks)
+        used = [i for i, n in enumerate(counts) if n > 0]
+        if not used:
+            return
+        if used[0] == 0:
+            self._first_tier_loaded_at = time.monotonic()
+        slowest = used[-1]
+        others = 0.0
+        for i in used[:-1]:  # their blocks' share of the time, as far as it is known
+            if i < len(self.tiers) and self.tiers[i].samples >= MIN_SAMPLES:
+                others += self.tiers[i].coefficients()[1] * counts[i]
+        self._fit(slowest).add(counts[slowest], max(0.0, seconds - others))
 
     def saved(self, blocks: int, seconds: float) -> None:
-        if blocks > 0 and time.monotonic() - self._last_load_at > STALE_S:
+        """A save (into the first tier) took ``seconds``: a sample while loads are stale."""
+        if blocks > 0 and time.monotonic() - self._first_tier_loaded_at > STALE_S:
             self.store.add(blocks, seconds)
+
+    def waiting(self, blocks: int, seconds: float) -> None:
+        """A save of ``blocks`` is unanswered after ``seconds``: the first tier is at least
+        that slow (a floor under its rate, until it is answered)."""
+        if blocks > 0:
+            now = time.monotonic()
+            floor = self._floor if now - self._floor_at <= FLOOR_S else 0.0
+            self._floor, self._floor_at = max(floor, seconds / blocks), now
+
+    def _floor_now(self) -> float:
+        return self._floor if time.monotonic() - self._floor_at <= FLOOR_S else 0.0
 
     def step(self, scheduled_tokens: int, now: float | None = None) -> None:
         """A scheduler step begins that scheduled ``scheduled_tokens``: the previous step took
@@ -100,31 +154,70 @@ class LoadOrRecompute:
                 self.engine.add(tokens, now - at)
         self._last_step = (now, scheduled_tokens)
 
+    # ---- the decision -----------------------------------------------------------------------
+
     def estimates(self) -> dict[str, float] | None:
-        """``load_fixed_s``, ``load_s_per_block``, ``prefill_s_per_token``, or None until
-        there are enough samples of both."""
+        """The first tier's ``load_fixed_s`` and ``load_s_per_block``, and
+        ``prefill_s_per_token``; None until there are enough samples of both."""
         if self.store.samples < MIN_SAMPLES or self.engine.samples < MIN_SAMPLES:
             return None
         a, b = self.store.coefficients()
         _, c = self.engine.coefficients()
         return {"load_fixed_s": a, "load_s_per_block": b, "prefill_s_per_token": c}
 
-    def blocks_to_load(self, found: int) -> int:
-        """Of ``found`` stored blocks, how many to load: ``found`` or 0."""
-        rates = self.estimates() if self.enabled else None
-        if rates is None or found <= 0:
+    def blocks_to_load(self, found: int, tiers: bytes = b"", now: float | None = None) -> int:
+        """Of ``found`` stored blocks (``tiers``: each one's tier, empty: all the first), how
+        many leading ones to load."""
+        if not self.enabled or found <= 0 or self.engine.samples < MIN_SAMPLES:
             return found
-        load_s = rates["load_fixed_s"] + rates["load_s_per_block"] * found
-        recompute_s = rates["prefill_s_per_token"] * found * self.block_size
-        return found if load_s < max(recompute_s, MIN_DECLINE_S) else 0
+        per_token = self.engine.coefficients()[1] * self.block_size
+        levels = tiers[:found].ljust(found, b"\0")
+        counts = [0] * (max(levels) + 1)
+        best, best_gain = 0, float("-inf")
+        for k, level in enumerate(levels, 1):
+            counts[level] += 1
+            if k < found and levels[k] == level:
+                continue  # only prefixes that end where a run of one tier ends
+            load_s = self._load_s(counts)
+            if load_s is None:
+                return found  # a tier not measured yet: learn it
+            recompute_s = per_token * k
+            if load_s < max(recompute_s, MIN_DECLINE_S) and recompute_s - load_s >= best_gain:
+                best, best_gain = k, recompute_s - load_s
+        return best if best == found else self._probe(found, levels, best, now)
+
+    def _load_s(self, counts: list[int]) -> float | None:
+        fixed, per_block = 0.0, 0.0
+        for i, n in enumerate(counts):
+            if not n:
+                continue
+            floor = self._floor_now() if i == 0 else 0.0
+            if i < len(self.tiers) and self.tiers[i].samples >= MIN_SAMPLES:
+                a, b = self.tiers[i].coefficients()
+            elif floor:
+                a, b = 0.0, floor
+            else:
+                return None
+            fixed, per_block = max(fixed, a), per_block + max(b, floor) * n
+        return fixed + per_block
+
+    def _probe(self, found: int, levels: bytes, best: int, now: float | None) -> int:
+        """``best``, or ``found`` when a declined lower tier is due for a probe."""
+        now = time.monotonic() if now is None else now
+        for level in sorted(set(levels[best:]) - {0}):
+            fit = self.tiers[level]
+            if now - max(fit.at, self._probed_at.get(level, float("-inf"))) >= PROBE_S:
+                self._probed_at[level] = now
+                return found
+        return best
 
     def worth_saving(self, blocks: int, now: float | None = None) -> bool:
-        """Save a prefix of ``blocks`` blocks? Yes unless its load would be declined; then no,
-        but for one probe per ``STALE_S`` (module docstring)."""
-        if blocks <= 0 or self.blocks_to_load(blocks) > 0:
+        """Save a prefix of ``blocks`` blocks (into the first tier)? Yes unless its load would
+        be declined; then no, but for one probe per ``STALE_S`` (module docstring)."""
+        if blocks <= 0 or self.blocks_to_load(blocks, now=now) > 0:
             return True
         now = time.monotonic() if now is None else now
-        if now - self._last_probe_at < STALE_S:
+        if now - self._last_probe_at < STALE_S or self._floor_now():
             return False
         self._last_probe_at = now
         return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REPORT_WAITING_S = 0.05  # a save unanswered this long is reported each step (decide's floor)
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -18,6 +20,7 @@ class LoadSpec:
     block_hashes: list[bytes]
     block_ids: list[int]
     sync: bool = False  # the step's forward waits for it (no WAITING_FOR_REMOTE_KVS)
+    tier_counts: tuple[int, ...] = ()  # blocks per storage tier, as the lookup found them
 
 
 @dataclass
@@ -42,12 +45,16 @@ class KvtierMetadata(KVConnectorMetadata):
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """Hashes whose load failed (missing, corrupt): the scheduler saves them again. And the
-    transfers answered since the last step, ``(blocks, seconds from submission)``: the
-    scheduler's load-or-recompute estimates (``kvtier.vllm.decide``)."""
+    transfers answered since the last step, ``(blocks, seconds from submission)``, a load's
+    blocks counted per tier: the scheduler's load-or-recompute estimates
+    (``kvtier.vllm.decide``). ``waiting_saves``: ``(blocks, seconds so far)`` of a rank's
+    oldest save still unanswered, once it is older than ``REPORT_WAITING_S``: a slow store is
+    noticed while its first save is still on its way."""
 
     failed_hashes: set[bytes] = field(default_factory=set)
-    load_times: list[tuple[int, float]] = field(default_factory=list)
+    load_times: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
     save_times: list[tuple[int, float]] = field(default_factory=list)
+    waiting_saves: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvtierWorkerMetadata):
@@ -55,5 +62,6 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
                 self.failed_hashes | other.failed_hashes,
                 self.load_times + other.load_times,
                 self.save_times + other.save_times,
+                self.waiting_saves + other.waiting_saves,
             )
         return self

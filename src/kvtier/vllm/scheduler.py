@@ -54,13 +54,17 @@ class _Lookup:
     first: int  # the first block looked up
     last: int  # one past the last
     count: int  # leading blocks stored
+    worth: int  # of those, how many to load (load or recompute)
+    tiers: bytes  # the tier of each stored block (Result.tiers)
     at: float  # time.monotonic() of the answer
 
-    def reuse(self, first: int, last: int, now: float) -> int | None:
-        """The answer for blocks ``first:last``, if this one still gives it."""
+    def reuse(self, first: int, last: int, now: float) -> tuple[int, int, bytes] | None:
+        """(stored, to load, their tiers) for blocks ``first:last``, if this answer still
+        gives them."""
         if last != self.last or first < self.first or now - self.at > LOOKUP_REUSE_S:
             return None
-        return max(0, self.first + self.count - first)
+        skip = first - self.first
+        return max(0, self.count - skip), max(0, self.worth - skip), self.tiers[skip:]
 
 
 @dataclass
@@ -96,7 +100,8 @@ class SchedulerSide:
             task_timeout_s=settings.task_timeout_s,
         )
         self._tracked: dict[str, _Tracked] = {}
-        self._pending_load: dict[str, tuple[int, int, int]] = {}  # first, count, requested
+        # first, count, requested, tiers of the blocks to load
+        self._pending_load: dict[str, tuple[int, int, int, bytes]] = {}
         self._lookups: dict[str, _Lookup] = {}  # kept answers of requests still waiting
         self._loads_out: list[LoadSpec] = []
         self._loading: dict[str, list[bytes]] = {}
@@ -122,43 +127,40 @@ class SchedulerSide:
             return None, False  # being loaded for another request: wait, then hit it locally
         now = time.monotonic()
         kept = self._lookups.get(request.request_id)
-        count = kept.reuse(first, last, now) if kept is not None else None
-        fresh = count is None
-        if count is None:
-            count = self._lookup(wanted)
-            self._lookups[request.request_id] = _Lookup(first, last, count, now)
+        answer = kept.reuse(first, last, now) if kept is not None else None
+        if answer is None:  # vLLM asks again while the request waits: decided once
+            stored, tiers = self._lookup(wanted)
+            worth = self.decide.blocks_to_load(stored, tiers)
+            self._lookups[request.request_id] = _Lookup(first, last, stored, worth, tiers, now)
             self._counts.update(lookup_round_trips=1)
-            for h in wanted[count:]:  # not stored (any more): a save may store it again
+            if worth < stored:
+                self._counts.update(declined_tokens=(stored - worth) * bs)
+            for h in wanted[stored:]:  # not stored (any more): a save may store it again
                 self._submitted.pop(h, None)
-        worth = self.decide.blocks_to_load(count)
-        if worth < count:
-            if fresh:  # vLLM asks again while the request waits: counted once
-                self._counts.update(declined_tokens=(count - worth) * bs)
-            count = worth
-        if count == 0:
+        else:
+            stored, worth, tiers = answer
+        if worth == 0:
             self._pending_load.pop(request.request_id, None)
             self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)
             return 0, False
-        self._pending_load[request.request_id] = (first, count, len(wanted))
-        return count * bs, not self.sync_loads
+        self._pending_load[request.request_id] = (first, worth, len(wanted), tiers[:worth])
+        return worth * bs, not self.sync_loads
 
     def may_load_async(self, request: Any) -> bool:
         """Did this waiting request's kept lookup find stored blocks, loaded asynchronously?
         A dictionary look-up: vLLM asks whenever the request enters a waiting queue."""
         kept = self._lookups.get(request.request_id)
-        return (
-            not self.sync_loads and kept is not None and self.decide.blocks_to_load(kept.count) > 0
-        )
+        return not self.sync_loads and kept is not None and kept.worth > 0
 
-    def _lookup(self, hashes: list[bytes]) -> int:
+    def _lookup(self, hashes: list[bytes]) -> tuple[int, bytes]:
         try:
             assert self.client is not None
-            return self.client.lookup(hashes, timeout_s=LOOKUP_TIMEOUT_S)
+            return self.client.lookup_tiers(hashes, timeout_s=LOOKUP_TIMEOUT_S)
         except KvtierError as e:  # a miss, never a failed request
             if not self._broken:
                 log.error("kvtier lookup failed (%s): serving without kvtier hits", e)
                 self._broken = True
-            return 0
+            return 0, b""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
@@ -168,7 +170,7 @@ class SchedulerSide:
         pending = self._pending_load.pop(request.request_id, None)
         if pending is None:
             return
-        first, count, requested = pending
+        first, count, requested, tiers = pending
         self._counts.update(
             lookups=1, requested_tokens=requested * self.block_size, found_tokens=num_external
         )
@@ -176,11 +178,10 @@ class SchedulerSide:
         if n <= 0:
             return
         hashes = list(request.block_hashes[first : first + n])
-        self._loads_out.append(
-            LoadSpec(
-                request.request_id, hashes, tracked.block_ids[first : first + n], self.sync_loads
-            )
-        )
+        levels = tiers[:n].ljust(n, b"\0")
+        per_tier = tuple(levels.count(level) for level in range(max(levels) + 1))
+        ids = tracked.block_ids[first : first + n]
+        self._loads_out.append(LoadSpec(request.request_id, hashes, ids, self.sync_loads, per_tier))
         self._loading[request.request_id] = hashes
         self._loading_hashes.update(hashes)
 
@@ -268,6 +269,8 @@ class SchedulerSide:
                 self.decide.loaded(blocks, seconds)
             for blocks, seconds in meta.save_times:
                 self.decide.saved(blocks, seconds)
+            for blocks, seconds in meta.waiting_saves:
+                self.decide.waiting(blocks, seconds)
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
             if meta.failed_hashes:

@@ -25,7 +25,7 @@ from typing import Any
 from kvtier import tasks as t
 from kvtier.errors import KvtierError
 from kvtier.vllm.events import RankEventLog
-from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec
+from kvtier.vllm.metadata import REPORT_WAITING_S, KvtierMetadata, KvtierWorkerMetadata, LoadSpec
 from kvtier.vllm.stats import KvtierConnectorStats
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class StepTransfers:
         self._load_errors: set[int] = set()
         self._failed_hashes: set[bytes] = set()
         self._times: tuple[list, list] = ([], [])  # loads, saves: (blocks, seconds)
+        self._unanswered: dict[Future, tuple[int, float]] = {}  # saves: blocks, submitted at
         self.events: RankEventLog | None = None  # set where kvtier's KV events are published
 
     # ---- each step --------------------------------------------------------------------------
@@ -78,6 +79,8 @@ class StepTransfers:
             device_block_ids=[i for spec in meta.saves for i in spec.block_ids],
         )
         future = self._submit(task)
+        with self._stats_lock:  # _account_save, called once it is answered, takes it out
+            self._unanswered[future] = (len(task.block_hashes), _now())
         _time(future)
         self._count(save_tasks=1)
         hashes = task.block_hashes
@@ -136,9 +139,13 @@ class StepTransfers:
         transfers' times (its load-or-recompute estimates)."""
         with self._stats_lock:
             (loads, saves), self._times = self._times, ([], [])
-        if not (self._failed_hashes or loads or saves):
+            oldest = min(self._unanswered.values(), key=lambda v: v[1], default=None)
+        waiting = []
+        if oldest is not None and _now() - oldest[1] >= REPORT_WAITING_S:
+            waiting.append((oldest[0], _now() - oldest[1]))
+        if not (self._failed_hashes or loads or saves or waiting):
             return None
-        meta = KvtierWorkerMetadata(self._failed_hashes, loads, saves)
+        meta = KvtierWorkerMetadata(self._failed_hashes, loads, saves, waiting)
         self._failed_hashes = set()
         return meta
 
@@ -166,7 +173,7 @@ class StepTransfers:
             loaded = len(result.blocks)
             self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
             if loaded == len(spec.block_ids):  # a full load: a sample of the store's speed
-                self._note_time(0, future, loaded)
+                self._note_time(0, future, spec.tier_counts or (loaded,))
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
             log.warning("kvtier load for %s failed: %s", spec.req_id, e)
             loaded = 0
@@ -177,6 +184,8 @@ class StepTransfers:
         self._count(loaded_tokens=loaded * bs, failed_tokens=len(failed) * bs)
 
     def _account_save(self, future: Future, hashes: list[bytes]) -> None:
+        with self._stats_lock:
+            self._unanswered.pop(future, None)
         try:
             result: t.Result = future.result()
             self._note_events(result, hashes[: len(result.blocks)])
@@ -193,7 +202,7 @@ class StepTransfers:
         except Exception:
             self._count(save_failures=1)
 
-    def _note_time(self, direction: int, future: Future, blocks: int) -> None:
+    def _note_time(self, direction: int, future: Future, blocks: int | tuple[int, ...]) -> None:
         started, done = getattr(future, "kvtier_times", (None, None))
         if started is not None and done is not None:
             with self._stats_lock:
@@ -206,6 +215,9 @@ class StepTransfers:
     def _count(self, **counts: float) -> None:
         with self._stats_lock:
             self.stats.add(**counts)
+
+
+_now = time.monotonic
 
 
 def _time(future: Future) -> None:
