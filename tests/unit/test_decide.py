@@ -116,6 +116,70 @@ def test_idle_gaps_and_decode_steps_are_not_prefill_samples() -> None:
     assert d.engine.samples == 0
 
 
+def _tiers(d: LoadOrRecompute, per_block: list[float]) -> None:
+    """Loads from each tier alone, ``per_block[i]`` seconds per block from tier ``i``."""
+    for level, rate in enumerate(per_block):
+        for n in (4, 8, 16):
+            d.loaded([0] * level + [n], rate * n)
+
+
+def test_the_part_in_a_fast_tier_is_loaded_and_the_slow_rest_recomputed() -> None:
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)  # 16 ms per block to recompute
+    _tiers(d, [0.0005, 0.2])  # memory, and a store 12x slower than recompute
+    assert d.blocks_to_load(20, bytes([0] * 10 + [1] * 10)) == 10
+    assert d.blocks_to_load(20) == 20  # all in memory
+    assert d.blocks_to_load(20, bytes([1] * 20)) == 0
+    assert d.blocks_to_load(20, bytes([1] * 5 + [0] * 15)) == 0  # the slow part comes first
+    for _ in range(6):
+        _tiers(d, [0.0005, 0.001])  # the store is fast now: all of it
+    assert d.blocks_to_load(20, bytes([0] * 10 + [1] * 10)) == 20
+
+
+def test_a_load_across_tiers_is_a_sample_of_its_slowest_tier() -> None:
+    d = LoadOrRecompute(BS)
+    _tiers(d, [0.001])
+    for n in (2, 4, 8):
+        d.loaded((10, n), 0.01 + 0.5 * n)  # 10 memory blocks (0.01 s) + n slow ones
+    a, b = d.tiers[1].coefficients()
+    assert b == pytest.approx(0.5, rel=0.01) and a < 0.001
+
+
+def test_a_tier_not_measured_yet_is_loaded_from_to_learn_it() -> None:
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)
+    _tiers(d, [0.0005])
+    assert d.blocks_to_load(20, bytes([0] * 10 + [2] * 10)) == 20
+
+
+def test_a_declined_lower_tier_is_probed_once_per_probe_period() -> None:
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)
+    _tiers(d, [0.0005, 0.2])
+    levels = bytes([0] * 10 + [1] * 10)
+    now = d.tiers[1].at
+    assert d.blocks_to_load(20, levels, now=now + 1) == 10
+    assert d.blocks_to_load(20, levels, now=now + decide.PROBE_S) == 20  # the probe
+    assert d.blocks_to_load(20, levels, now=now + decide.PROBE_S + 1) == 10
+
+
+def test_a_save_still_unanswered_shows_a_slow_store_before_any_answer(monkeypatch) -> None:
+    """No transfer answered yet; a save of 14 blocks has waited 1 s: loads of the first tier
+    are declined at once and no further save is sent (that one is the probe), until the
+    floor lapses or the answer comes."""
+    clock = [0.0]
+    monkeypatch.setattr(decide.time, "monotonic", lambda: clock[0])
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)  # 16 ms per block
+    assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
+    d.waiting(14, 0.01)  # 0.7 ms per block so far: nothing known against it
+    assert d.blocks_to_load(14) == 14
+    d.waiting(14, 1.0)  # 71 ms per block at least
+    assert d.blocks_to_load(14) == 0 and not d.worth_saving(14)
+    clock[0] += decide.FLOOR_S + 0.1  # answered meanwhile (no longer reported)
+    assert d.blocks_to_load(14) == 14
+
+
 def test_saves_follow_loads_with_one_probe_per_stale_period() -> None:
     """A prefix whose load would be declined is not saved, but for one probe per STALE_S;
     a store whose loads are taken is always saved to, as is any store before it is measured."""

@@ -84,6 +84,19 @@ def test_aggregate_takes_the_shortest_prefix_and_the_worst_status() -> None:
     assert control.code is t.Code.CONFLICT
 
 
+def test_a_lookups_tiers_are_the_slowest_ranks_over_the_blocks_every_rank_holds() -> None:
+    task = t.Lookup(task_id=9, block_hashes=hashes(4))
+    answer = {
+        0: t.Result(task_id=9, status=t.Status.OK, count=4, tiers=bytes([0, 1, 0, 1])),
+        1: t.Result(task_id=9, status=t.Status.OK, count=3),  # all from its first tier
+        2: t.Result(task_id=9, status=t.Status.OK, count=4, tiers=bytes([0, 0, 2, 0])),
+    }
+    out = aggregate(task, answer)
+    assert (out.count, out.tiers) == (3, bytes([0, 1, 2]))
+    plain = {r: t.Result(task_id=9, status=t.Status.OK, count=2) for r in range(2)}
+    assert aggregate(task, plain).tiers == b""
+
+
 # ---- DataPath ---------------------------------------------------------------------------------
 
 

@@ -84,8 +84,12 @@ def test_a_block_loaded_from_below_is_promoted_and_then_served_from_memory(tmp_p
         assert chain.writer.flush(30) == 0  # written through
         top, below = chain.tiers
         assert below.exists_prefix(keys) == 4
+        assert chain.prefix_tiers(keys) == (4, b"")  # all in the first tier
         top.delete(keys[1:3])  # as if evicted (held below)
         assert chain.exists_prefix(keys) == 4  # the prefix runs across tiers
+        # a run from the first tier that holds its first block (as a scattered load reads it)
+        assert chain.prefix_tiers(keys) == (4, bytes([0, 1, 1, 1]))
+        assert chain.prefix_tiers(keys[:2]) == (2, bytes([0, 1]))
         hits_below = below.stats.hits
         assert _get(chain, pool, keys) == [True] * 4
         assert below.stats.hits == hits_below + 2 and chain.promotions == 2
@@ -218,6 +222,11 @@ def test_a_workers_stats_status_and_metrics_show_each_tier(tmp_path) -> None:
             assert client.save(hashes, [0, 1, 2]).status is t.Status.OK
             assert client.load(hashes, [3, 4, 5]).blocks == [3, 4, 5]
             stats = client.control("stats").per_rank[0].data
+            assert client.lookup_tiers(hashes) == (3, b"")
+            memory_tier = worker.resources.storage.tiers[0]
+            memory_tier.delete(worker.resources.keys.keys(hashes[1:]))  # as if evicted
+            assert client.lookup_tiers(hashes) == (3, bytes([0, 1, 1]))
+            assert client.lookup(hashes) == 3
         assert stats["storage_backend"] == "memory+file"
         memory, file = stats["storage_tiers"]["0"], stats["storage_tiers"]["1"]
         assert memory["hits"] == 3 and memory["puts"] == 3 and file["hits"] == 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REPORT_WAITING_S = 0.05  # a save unanswered this long is reported each step (decide's floor)
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+REPORT_WAITING_S = 0.05  # a save unanswered this long is reported each step (decide's floor)
 
 
 @dataclass

@@ -265,12 +265,12 @@ class SchedulerSide:
             self._finish_loading(req_id)
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvtierWorkerMetadata):
-            for blocks, seconds in meta.load_times:
-                self.decide.loaded(blocks, seconds)
-            for blocks, seconds in meta.save_times:
-                self.decide.saved(blocks, seconds)
-            for blocks, seconds in meta.waiting_saves:
-                self.decide.waiting(blocks, seconds)
+            for per_tier, seconds in meta.load_times:
+                self.decide.loaded(per_tier, seconds)
+            for n, seconds in meta.save_times:
+                self.decide.saved(n, seconds)
+            for n, seconds in meta.waiting_saves:
+                self.decide.waiting(n, seconds)
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
             if meta.failed_hashes:
