@@ -154,8 +154,7 @@ class TieredStore(StorageBackend):
                     break
             else:
                 break
-        self._answered(None)
-        return len(levels), bytes(levels) if any(levels) else b""
+        return self._answered((len(levels), bytes(levels) if any(levels) else b""))
 
     def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums_out)
