@@ -188,7 +188,16 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
         "--memory-tier",
         type=SIZE,
         metavar="SIZE",
-        help="a memory tier of SIZE in front of the kvtier server's (possibly faulty) file store",
+        help="a memory tier of SIZE in front of the kvtier server's (possibly faulty) store",
+    )
+    p.add_argument(
+        "--mooncake-link",
+        metavar="RATE",
+        help="the kvtier server's store: a Mooncake node behind a link of RATE (tc units: "
+        "1gbit), master and node in network namespaces (root only; see kvtier_bench.slow_link)",
+    )
+    p.add_argument(
+        "--segment-bytes", type=SIZE, default=2 << 30, help="the --mooncake-link node's memory"
     )
     server_pair_arguments(p)
     p.add_argument("--plot", type=plot_file, metavar="FILE", help="the ratios as bars (PNG)")

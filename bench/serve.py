@@ -23,12 +23,14 @@ import os
 import re
 import statistics
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from kvtier.storage import with_memory_tier
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import print_json_rows, progress, save_plot
+from kvtier_bench.slow_link import mooncake_behind_link
 from kvtier_bench.vllm_server import Server
 
 COUNTERS = {
@@ -102,13 +104,14 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
     extra = None
     if label == "kvtier":
         storage: dict[str, Any] = {
-            "backend": "file",
-            "root": str(root / f"store{run}"),
+            **(args.cluster or {"backend": "file", "root": str(root / f"store{run}")}),
             **({"faults": json.loads(args.store_faults)} if args.store_faults else {}),
         }
         if args.memory_tier:
             storage = with_memory_tier(storage, args.memory_tier)
-        extra = {**json.loads(args.kvtier_settings), "storage": storage}
+        # Every run its own keys: a cluster outlives the run, and the prompts repeat.
+        extra = {"namespace": f"bench-serve-{run}", **json.loads(args.kvtier_settings)}
+        extra["storage"] = storage
     server = Server(
         model,
         root / f"{label}{run}",
@@ -252,9 +255,26 @@ def differences(plain: dict, other: dict) -> str:
 
 
 def report(args: argparse.Namespace) -> int:
+    plan = workloads(args)
+    with ExitStack() as stack:
+        args.cluster = None
+        if args.mooncake_link:
+            link = mooncake_behind_link(args.mooncake_link, args.segment_bytes)
+            args.cluster = stack.enter_context(link)
+        rounds = _rounds(args, plan)
+    rows = rows_of(rounds, plan)
+    if args.json:
+        print_json_rows(rows)
+    else:
+        print_report(rows, rounds, reserved_cpus(args))
+    if args.plot:
+        save_plot(args.plot, lambda plt: _draw(plt, rows), "kvtier / no connector, vllm serve")
+    return 0
+
+
+def _rounds(args: argparse.Namespace, plan) -> list[dict]:
     from kvtier_bench.vllm_engine import model_or_built
 
-    plan = workloads(args)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-") as tmp:
         root = Path(tmp)
         model = model_or_built(args.model, root)
@@ -269,14 +289,7 @@ def report(args: argparse.Namespace) -> int:
                 entry[label] = one_server(args, model, root, label, run, plan)
                 entry[label]["load_average_end"] = os.getloadavg()[0]
             rounds.append(entry)
-    rows = rows_of(rounds, plan)
-    if args.json:
-        print_json_rows(rows)
-    else:
-        print_report(rows, rounds, reserved_cpus(args))
-    if args.plot:
-        save_plot(args.plot, lambda plt: _draw(plt, rows), "kvtier / no connector, vllm serve")
-    return 0
+    return rounds
 
 
 def _draw(plt, rows: list[dict]) -> None:

@@ -112,12 +112,15 @@ def engine(args: dict):
 
 
 def counters(llm) -> dict:
-    """vLLM's external-hit counters and kvtier's connector counters, by name."""
-    return {
-        m.name.split(":", 1)[1]: getattr(m, "value", 0)
-        for m in llm.get_metrics()
-        if m.name.startswith(("vllm:kvtier_", "vllm:external_prefix"))
-    }
+    """vLLM's external-hit counters and kvtier's connector counters, by name (one per tier:
+    ``kvtier_tier_loaded_tokens[N]``)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith(("vllm:kvtier_", "vllm:external_prefix")):
+            tier = getattr(m, "labels", {}).get("tier")
+            name = m.name.split(":", 1)[1] + (f"[{tier}]" if tier is not None else "")
+            out[name] = getattr(m, "value", 0)
+    return out
 
 
 def reset(llm) -> None:

@@ -160,6 +160,11 @@ def test_a_fresh_engine_with_a_memory_tier_hits_the_store_then_its_memory(
     memory, file = (phases["restart_tiers"]["tiers"][level] for level in ("0", "1"))
     assert file["hits"] > 0 and memory["promotions"] == file["hits"]
     assert memory["hits"] >= file["hits"]  # the second pass: every block from memory
+    # vLLM's own stats, per tier (the lookup named each block's tier): the first pass loaded
+    # from the file tier, the second from memory only.
+    assert restart["delta"].get("kvtier_tier_loaded_tokens[1]", 0) > 0, restart["delta"]
+    assert again["delta"].get("kvtier_tier_loaded_tokens[1]", 0) == 0, again["delta"]
+    assert again["delta"]["kvtier_tier_loaded_tokens[0]"] == again["delta"]["kvtier_loaded_tokens"]
     assert again["delta"]["kvtier_failed_tokens"] == 0
     down = phases["lower_down"]
     assert down["tokens"][:4] == reference["reference"]["tokens"] and len(down["tokens"]) == 6

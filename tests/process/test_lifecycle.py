@@ -341,14 +341,18 @@ def _interrupt(proc: subprocess.Popen, how: str) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c-in-a-background-job", "sigterm"])
+@pytest.mark.parametrize(
+    "how", ["ctrl-c", "ctrl-c-in-a-background-job", "sigterm", "ctrl-c-with-a-memory-tier"]
+)
 def test_interrupting_the_demo_ends_it_in_about_a_second_leaving_nothing(tmp_path, figures, how):
     """A background job (`kvtier demo &`) starts with SIGINT ignored; its workers still stop on
-    the group's Ctrl-C, so the demo ended with 2 ("worker process exited with code 0")."""
+    the group's Ctrl-C, so the demo ended with 2 ("worker process exited with code 0"). With a
+    memory tier in front, each worker's writer flushes what it holds and stops as quickly."""
     instance = _instance("demo")
     ignored = how == "ctrl-c-in-a-background-job"
     sigint = signal.SIG_IGN if ignored else signal.SIG_DFL
-    proc, _ = _start_demo(tmp_path, instance=instance, sigint=sigint)
+    extra = ("--memory-tier", "64M") if how.endswith("memory-tier") else ()
+    proc, _ = _start_demo(tmp_path, *extra, instance=instance, sigint=sigint)
     workers = _demo_children(proc.pid)
     assert len(workers) == 2
     took = _interrupt(proc, how)

@@ -201,6 +201,7 @@ def test_a_load_that_fails_is_recomputed_and_saved_again(connector) -> None:
     )
     stats = transfers.take_stats().data
     assert stats["loaded_tokens"] == 2 * BS and stats["failed_tokens"] == 4 * BS
+    assert stats["tier0_loaded_tokens"] == 2 * BS  # one backend: its only tier
     # The next request computes them and saves them again (the scheduler forgot them).
     third = request("r3", tokens)
     assert scheduler.get_num_new_matched_tokens(third, 0) == (2 * BS, True)

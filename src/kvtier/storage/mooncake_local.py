@@ -76,11 +76,16 @@ class LocalMaster:
     ``start()`` (waits for the RPC port), stopped by ``stop()`` (SIGTERM, then SIGKILL).
     """
 
-    def __init__(self, lease_ttl_ms: int | None = None, host: str = "127.0.0.1") -> None:
-        self.host = host
-        self.rpc_port = _free_port(host)
-        self.http_port = _free_port(host)
-        self.metrics_port = _free_port(host)
+    def __init__(
+        self, lease_ttl_ms: int | None = None, host: str = "127.0.0.1", netns: str | None = None
+    ) -> None:
+        """``netns``: run inside that network namespace (``host`` is one of its addresses; any
+        port free here is free in a namespace nothing else runs in)."""
+        self.host, self.netns = host, netns
+        here = "127.0.0.1" if netns else host
+        self.rpc_port = _free_port(here)
+        self.http_port = _free_port(here)
+        self.metrics_port = _free_port(here)
         self.lease_ttl_ms = lease_ttl_ms
         self.process: subprocess.Popen | None = None
 
@@ -118,7 +123,7 @@ class LocalMaster:
         # Its output goes to a file: read back when it fails, never a pipe that could fill.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
-            args,
+            _in_netns(self.netns, args),
             stdout=self._log,
             stderr=self._log,
             env=_guarded_environment(self.host),
@@ -171,25 +176,34 @@ class LocalStoreNode:
     TCP (or RDMA). Started by ``start()``, which returns once the segment is mounted.
     """
 
-    def __init__(self, master: LocalMaster, segment_bytes: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        master: LocalMaster,
+        segment_bytes: int,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+    ) -> None:
         self.master = master
         self.segment_bytes = segment_bytes
-        self.host = host
+        self.host, self.netns = host, netns
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> LocalStoreNode:
         env = _guarded_environment(self.host)
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.storage.mooncake_local",
-                self.master.master_address,
-                self.master.metadata_server,
-                str(self.segment_bytes),
-                self.host,
-            ],
+            _in_netns(
+                self.netns,
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtier.storage.mooncake_local",
+                    self.master.master_address,
+                    self.master.metadata_server,
+                    str(self.segment_bytes),
+                    self.host,
+                ],
+            ),
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=env,
@@ -219,6 +233,12 @@ class LocalStoreNode:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _in_netns(netns: str | None, args: list[str]) -> list[str]:
+    """``args``, run inside network namespace ``netns`` when one is named (``ip netns exec``
+    execs the command: the process keeps its pid and its parent-death signal)."""
+    return ["ip", "netns", "exec", netns, *args] if netns else args
 
 
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:

@@ -20,7 +20,13 @@ class LoadSpec:
     block_hashes: list[bytes]
     block_ids: list[int]
     sync: bool = False  # the step's forward waits for it (no WAITING_FOR_REMOTE_KVS)
-    tier_counts: tuple[int, ...] = ()  # blocks per storage tier, as the lookup found them
+    tiers: bytes = b""  # each block's storage tier, as the lookup found them (Result.tiers)
+
+    def per_tier(self, blocks: int | None = None) -> tuple[int, ...]:
+        """How many of the first ``blocks`` (default: all) come from each tier."""
+        n = len(self.block_ids) if blocks is None else blocks
+        levels = self.tiers[:n].ljust(n, b"\0")
+        return tuple(levels.count(level) for level in range(max(levels, default=0) + 1))
 
 
 @dataclass

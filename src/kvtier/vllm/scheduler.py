@@ -178,10 +178,10 @@ class SchedulerSide:
         if n <= 0:
             return
         hashes = list(request.block_hashes[first : first + n])
-        levels = tiers[:n].ljust(n, b"\0")
-        per_tier = tuple(levels.count(level) for level in range(max(levels) + 1))
         ids = tracked.block_ids[first : first + n]
-        self._loads_out.append(LoadSpec(request.request_id, hashes, ids, self.sync_loads, per_tier))
+        self._loads_out.append(
+            LoadSpec(request.request_id, hashes, ids, self.sync_loads, tiers[:n])
+        )
         self._loading[request.request_id] = hashes
         self._loading_hashes.update(hashes)
 

@@ -9,6 +9,7 @@ vLLM for recompute), plus bytes and seconds of loads and saves. They reach vLLM'
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,11 @@ COUNTERS = {
 }
 
 
+# Loaded tokens per storage tier (0 = the fastest; one backend is tier 0): ``tier<N>_loaded_tokens``
+# in the stats, ``vllm:kvtier_tier_loaded_tokens{tier="N"}`` in Prometheus.
+TIER_COUNTER = re.compile(r"tier(\d)_loaded_tokens")
+
+
 @dataclass
 class KvtierConnectorStats(KVConnectorStats):
     def add(self, **counts: float) -> None:
@@ -53,6 +59,7 @@ class KvtierConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        out.update((k, v) for k, v in sorted(self.data.items()) if TIER_COUNTER.fullmatch(k))
         seconds = out["load_microseconds"] / 1e6
         out["load_gbps"] = round(out["load_bytes"] / seconds / 1e9, 3) if seconds else 0.0
         return out
@@ -74,9 +81,19 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             self.counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self.per_engine = per_engine_labelvalues
+        self.tier_counter: Any = self._counter_cls(
+            name="vllm:kvtier_tier_loaded_tokens",
+            documentation="kvtier: tokens loaded from each storage tier (0 = the fastest)",
+            labelnames=[*labelnames, "tier"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
             per_engine = self.counters.get(name)
             if per_engine is not None and value:
                 per_engine[engine_idx].inc(value)
+            tier = TIER_COUNTER.fullmatch(name)
+            if tier is not None and value:
+                labels = self.per_engine[engine_idx]
+                self.tier_counter.labels(*labels, tier.group(1)).inc(value)

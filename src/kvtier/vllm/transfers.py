@@ -173,7 +173,10 @@ class StepTransfers:
             loaded = len(result.blocks)
             self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
             if loaded == len(spec.block_ids):  # a full load: a sample of the store's speed
-                self._note_time(0, future, spec.tier_counts or (loaded,))
+                self._note_time(0, future, spec.per_tier())
+            for tier, n in enumerate(spec.per_tier(loaded)):  # one backend: tier 0
+                if n:
+                    self._count(**{f"tier{tier}_loaded_tokens": n * self.block_size})
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
             log.warning("kvtier load for %s failed: %s", spec.req_id, e)
             loaded = 0
