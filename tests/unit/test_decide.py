@@ -178,6 +178,10 @@ def test_a_save_still_unanswered_shows_a_slow_store_before_any_answer(monkeypatc
     assert d.blocks_to_load(14) == 0 and not d.worth_saving(14)
     clock[0] += decide.FLOOR_S + 0.1  # answered meanwhile (no longer reported)
     assert d.blocks_to_load(14) == 14
+    for n in (4, 8):
+        d.loaded(n, 0.001 * n)  # loads answered quickly: a backlog of saves says nothing
+    d.waiting(14, 5.0)
+    assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
 
 
 def test_saves_follow_loads_with_one_probe_per_stale_period() -> None:

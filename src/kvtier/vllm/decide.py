@@ -25,7 +25,8 @@ whole prefix is loaded (that is how the rates are learnt).
 
 A slow first tier is noticed before its first answer: a save still unanswered after ``t``
 seconds (the vLLM worker sides report their oldest each step) puts a floor under the first
-tier's rate, ``t / blocks`` per block, until it is answered.
+tier's rate, ``t / blocks`` per block, until it is answered — unless loads of it were measured
+within ``STALE_S`` (saves queue apart from loads: a backlog of saves is no slow load).
 
 An estimate must follow a store that recovers, though a declined tier is no longer loaded from:
 - saves (to the first tier) count as its samples while no load of it was measured for
@@ -142,7 +143,12 @@ class LoadOrRecompute:
             self._floor, self._floor_at = max(floor, seconds / blocks), now
 
     def _floor_now(self) -> float:
-        return self._floor if time.monotonic() - self._floor_at <= FLOOR_S else 0.0
+        """The floor, while it holds and no load of the first tier says more (saves queue on
+        their own: a backlog of saves says nothing of how fast loads are answered)."""
+        now = time.monotonic()
+        if now - self._floor_at > FLOOR_S or now - self._first_tier_loaded_at <= STALE_S:
+            return 0.0
+        return self._floor
 
     def step(self, scheduled_tokens: int, now: float | None = None) -> None:
         """A scheduler step begins that scheduled ``scheduled_tokens``: the previous step took
