@@ -25,6 +25,7 @@ import yaml
 from kvtier.config_sources import Source, merge, refuse_unknown
 from kvtier.errors import ConfigError
 from kvtier.spec import KVCacheSpec
+from kvtier.transport import LOCAL_SCHEME
 from kvtier.user_dirs import check_parent_directory
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ MOONCAKE_ENV_PREFIX = "KVTIER_MOONCAKE_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENGINE_TIMEOUT_S = 30.0  # the old system waited 600 s before an orphaned manager gave up
 START_TIMEOUT_S = 120.0  # an engine's start (vLLM loads weights before its first hello)
-LOCAL_SCHEME = "local://"  # in-process transport (tests, single-process engines)
 
 
 class DeviceCacheMode(str, Enum):

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvtier.auth import CurveKeys
-from kvtier.config import LOCAL_SCHEME
-from kvtier.transport import ClientTransport, ServerTransport
+from kvtier.transport import LOCAL_SCHEME, ClientTransport, ServerTransport
 from kvtier.transport_local import LocalClient, LocalServer
 from kvtier.transport_zmq import ZmqClient, ZmqServer
 

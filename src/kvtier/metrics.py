@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.errors import ConfigError
 from kvtier.http_bounds import BoundedHandler, BoundedHTTPServer
-from kvtier.status import tier_rows
+from kvtier.worker_stats import tier_rows
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from typing import Any
 from kvtier.cli_args import DefaultsFormatter, positive_number
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.table import age, render, size
+from kvtier.worker_stats import tier_rows
 
 COLUMNS = [
     ("rank", "rank", "d"),
@@ -135,16 +136,6 @@ def screen(stats: list[dict[str, Any]], title: str) -> list[str]:
     if tiers:
         lines += ["", *render(tiers, TIER_COLUMNS)]
     return lines
-
-
-def tier_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
-    """A worker's ``storage_tiers``, one row per tier with its rank, level and backend."""
-    kinds = str(stats.get("storage_backend", "")).split("+")
-    return [
-        dict(counts, rank=stats["rank"], tier=int(level), backend=kinds[int(level)])
-        for level, counts in stats.get("storage_tiers", {}).items()
-        if int(level) < len(kinds)
-    ]
 
 
 TIER_COLUMNS = [

@@ -33,6 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 Peer = bytes
+LOCAL_SCHEME = "local://"  # in-process transport (tests, single-process engines)
 
 
 class ServerTransport(ABC):

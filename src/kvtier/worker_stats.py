@@ -53,3 +53,13 @@ class TaskCounters:
                 "tasks": {k: dict(v) for k, v in self._tasks.items()},
                 "errors": dict(self._errors),
             }
+
+
+def tier_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """A worker's ``storage_tiers``, one row per tier with its rank, level and backend."""
+    kinds = str(stats.get("storage_backend", "")).split("+")
+    return [
+        dict(counts, rank=stats["rank"], tier=int(level), backend=kinds[int(level)])
+        for level, counts in stats.get("storage_tiers", {}).items()
+        if int(level) < len(kinds)
+    ]
