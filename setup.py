@@ -5,7 +5,7 @@
 - ``kvtier._fileio``: a file-store object read (and hashed) or written in one call without the
   GIL. Without it the store does the same in Python (slower with several I/O threads).
 - ``kvtier._bindguard``: not a Python module but a preloaded library that keeps Mooncake's
-  listeners on the configured host (see kvtier/bindguard.py). Without it kvtier says so once.
+  listeners on the configured host (see kvtier/common/bindguard.py). Without it kvtier says so once.
 
 Both are optional: without a C compiler the install still succeeds.
 """

@@ -35,9 +35,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kvtier import auth
-from kvtier.cpus import format_cpu_list
-from kvtier.table import print_table
+from kvtier.common.cpus import format_cpu_list
+from kvtier.ops.table import print_table
+from kvtier.transport import auth
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import gbps, print_json_rows, progress
 from kvtier_bench.storage_raw import raw_mooncake_gbps
@@ -219,7 +219,7 @@ class ProxyTarget(SimpleNamespace):
 
 
 def run_proxy(producer: Server, consumer: Server) -> tuple[Any, ProxyTarget]:
-    from kvtier.pd_proxy import serve
+    from kvtier.ops.pd_proxy import serve
 
     proxy = serve(producer.url, consumer.url, "127.0.0.1", 0, timeout_s=600.0)
     port = proxy.server_address[1]

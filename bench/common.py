@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kvtier.table import print_table
+from kvtier.ops.table import print_table
 
 
 def median_seconds(
@@ -147,7 +147,7 @@ def standalone(
 ) -> int:
     """``python -m kvtier_bench.NAME``: the same options as ``kvtier bench NAME``."""
 
-    from kvtier.cli_args import Parser
+    from kvtier.ops.cli_args import Parser
 
     parser = Parser(prog=f"kvtier bench {name}", description=doc)
     add_arguments(parser)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
-from kvtier.device import cache_name
+from kvtier.memory.device import cache_name
 from kvtier_bench.common import (
     emit,
     gbps,
@@ -240,11 +240,11 @@ def _storage_case(args: argparse.Namespace, spec: KVCacheSpec, cache: DeviceCach
     against: what storage alone delivers)."""
     import tempfile
 
-    from kvtier import tasks as t
-    from kvtier.datapath import DataPath
-    from kvtier.host import HostLayout
-    from kvtier.keys import KeyScheme
+    from kvtier.layout.keys import KeyScheme
+    from kvtier.memory.host import HostLayout
     from kvtier.storage.file import FileStore
+    from kvtier.transport import tasks as t
+    from kvtier.worker.datapath import DataPath
 
     n = len(dev_ids)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)

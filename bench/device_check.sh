@@ -91,7 +91,7 @@ if [[ $MODE == dry ]]; then
 else  # N = 16 ... 4096 blocks of 64 and 1024 KiB: swaps beside pinned copies, loads from storage
     bench=(--device cuda --block-sizes 16,256 --num-blocks 16,256,1024,4096 --runs 3 --storage --json)
 fi
-timeout 300 "$PY" -m kvtier.cli bench copy "${bench[@]}" > "$OUT/bench-copy.json" 2> "$OUT/bench-copy.log"
+timeout 300 "$PY" -m kvtier.ops.cli bench copy "${bench[@]}" > "$OUT/bench-copy.json" 2> "$OUT/bench-copy.log"
 bench_rc=$?
 tail -3 "$OUT/bench-copy.log" >&2
 [[ $bench_rc -ne 0 ]] && STATUS=1

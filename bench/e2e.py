@@ -14,8 +14,8 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 
-from kvtier.demo import Workload, run
-from kvtier.table import plural
+from kvtier.ops.demo import Workload, run
+from kvtier.ops.table import plural
 from kvtier_bench.common import emit, progress, save_plot, standalone
 from kvtier_bench.options import e2e_arguments as add_arguments
 

@@ -6,7 +6,7 @@ machine:
   bare ROUTER echo process (pyzmq only, no kvtier code), send to all, wait for all;
 - ``heartbeat``: kvtier's ping (the client's I/O thread, the worker's loop);
 - ``swap_out 1 block``: a 1-block task through the client (the calling thread's own
-  connection, ``kvtier.direct``) and every worker, copy included;
+  connection, ``kvtier.engine.direct``) and every worker, copy included;
 - ``lookup 64 keys``: a lookup of 64 stored blocks.
 Then ``lookups/s``: one client keeping ``--window`` lookups of 64 keys in flight
 (``Client.submit``) for ``--seconds``: the rate, and each lookup's latency p50 / p99, beside the
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from kvtier import DeviceCache, KVCacheSpec
-from kvtier.client import Client
-from kvtier.device import cache_name
+from kvtier.engine.client import Client
+from kvtier.memory.device import cache_name
 from kvtier_bench.common import emit, progress, standalone
 from kvtier_bench.options import latency_arguments as add_arguments
 
@@ -153,7 +153,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def _lookup_rate(client: Client, hashes: list[bytes], window: int, seconds: float) -> dict:
     """Lookups kept ``window`` in flight for ``seconds``: rate and latencies."""
-    from kvtier import tasks as t
+    from kvtier.transport import tasks as t
 
     latencies: list[float] = []
     in_flight: list[tuple[float, object]] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtier.cli_args import COUNT, SEED, SIZE, integer, plot_file
+from kvtier.ops.cli_args import COUNT, SEED, SIZE, integer, plot_file
 
 
 def copy_arguments(p: argparse.ArgumentParser) -> None:

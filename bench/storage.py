@@ -38,10 +38,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvtier import HostPool, KVCacheSpec, auth
-from kvtier.checksum import payload_checksum
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier import HostPool, KVCacheSpec
+from kvtier.layout.checksum import payload_checksum
+from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
+from kvtier.transport import auth
 from kvtier_bench.common import Timing, emit, gbps, log2_axes, progress, save_plot, standalone
 from kvtier_bench.options import storage_arguments as add_arguments
 from kvtier_bench.storage_raw import RawFiles, RawMooncake, mooncake_store

@@ -169,8 +169,8 @@ def run(args: dict) -> None:
     llm = engine(args)
     client = None
     if args["kvtier"]:
-        from kvtier.client import Client
-        from kvtier.config import endpoint_for
+        from kvtier.engine.client import Client
+        from kvtier.worker.config import endpoint_for
 
         client = Client.connect([endpoint_for(args["instance"], 0)], start_timeout_s=120)
     for rep in range(args["reps"]):

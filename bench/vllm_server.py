@@ -202,8 +202,8 @@ class Server:
         """Each rank's kvtier worker stats, asked as ``kvtier status`` does (an observer that
         keeps no worker alive). The workers count a save when they answer it; vLLM's metrics
         take a saver's counts only at its next step (an idle engine takes none)."""
-        from kvtier.client import Client
-        from kvtier.status import collect
+        from kvtier.engine.client import Client
+        from kvtier.ops.status import collect
 
         endpoints = sorted(f"ipc://{p}" for p in self.tmpdir.glob("kvtier-*/*-rank*.sock"))
         with Client.connect(endpoints, start_timeout_s=timeout_s, observer=True) as client:

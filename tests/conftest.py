@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.device import DeviceCache, cache_name
-from kvtier.shm import SHM_DIR
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.memory.shm import SHM_DIR
 
 # The test process hosts Mooncake clients in process: it is the edge that sets what Mooncake
 # reads from the environment (kvtier serve and the CLI do the same for their processes).

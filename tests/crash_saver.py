@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.keys import KeyScheme, block_hashes
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
 SPEC = KVCacheSpec(num_layers=16, num_blocks=1, num_kv_heads=8, block_size=64, head_dim=128)
@@ -42,7 +42,7 @@ def batch_keys(iteration: int, batch: int) -> list[str]:
 def writer(root: str, iteration: int, ready_fd: int) -> None:
     import torch
 
-    from kvtier.host import HostPool
+    from kvtier.memory.host import HostPool
     from kvtier.storage.file import FileStore
 
     with (

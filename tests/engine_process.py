@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.client import Client
-from kvtier.device import DeviceCache, cache_name
+from kvtier.engine.client import Client
+from kvtier.memory.device import DeviceCache, cache_name
 from worker_helpers import WSPEC
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ import signal
 
 import torch
 
-from kvtier.copier import make_copier
-from kvtier.device import DeviceCache
-from kvtier.host import HostPool
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.copier import make_copier
+from kvtier.memory.device import DeviceCache
+from kvtier.memory.host import HostPool
 
 
 def attach_and_write(spec_dict: dict, name: str, block: int, value: int) -> None:
@@ -75,8 +75,8 @@ def client_through_a_stall(endpoints: list[str], ready, go, results) -> None:
     second task's status, or its error, and every 'lost' line this client logged."""
     import logging
 
-    from kvtier import tasks as t
-    from kvtier.client import Client
+    from kvtier.engine.client import Client
+    from kvtier.transport import tasks as t
 
     lines: list[str] = []
 

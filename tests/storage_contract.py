@@ -20,11 +20,11 @@ import torch
 import xxhash
 
 import procs
-from kvtier.checksum import payload_checksum
 from kvtier.errors import StorageError
-from kvtier.host import HostPool
-from kvtier.keys import KeyScheme, block_hashes
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.checksum import payload_checksum
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.host import HostPool
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 

@@ -55,8 +55,8 @@ def emit(phase: str, **data) -> None:
 
 
 def kvtier_client(args: dict):
-    from kvtier.client import Client
-    from kvtier.config import endpoint_for
+    from kvtier.engine.client import Client
+    from kvtier.worker.config import endpoint_for
 
     endpoints = [endpoint_for(args["instance"], r) for r in range(args.get("tp", 1))]
     return Client.connect(endpoints, start_timeout_s=60)

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from conftest import fill_random
-from kvtier.client import Client
-from kvtier.device import DeviceCache, cache_name
-from kvtier.keys import block_hashes
-from kvtier.spec import KVCacheSpec
+from kvtier.engine.client import Client
+from kvtier.layout.keys import block_hashes
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.device import DeviceCache, cache_name
 
 WSPEC = KVCacheSpec(
     num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64, dtype="block_wise_fp8"
@@ -72,7 +72,7 @@ def scrape_a_busy_worker(tmp_path) -> str:
     import socket
     import urllib.request
 
-    from kvtier import tasks as t
+    from kvtier.transport import tasks as t
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,8 +94,8 @@ def lone_worker_flags(instance: str) -> list[str]:
 def local_worker(prefix: str, **settings):
     """A started Worker in this process on a ``local://`` endpoint: it owns its device cache
     (WSPEC) and stores in memory. ``settings`` are WorkerConfig fields."""
-    from kvtier.config import WorkerConfig
-    from kvtier.worker import Worker
+    from kvtier.worker.config import WorkerConfig
+    from kvtier.worker.loop import Worker
 
     defaults = {"device_cache_mode": "create", "storage": {"backend": "memory"}}
     config = WorkerConfig(

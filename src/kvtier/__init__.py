@@ -32,23 +32,23 @@ from kvtier.errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "BlockCopier": "kvtier.copier",
-    "make_copier": "kvtier.copier",
-    "DeviceCache": "kvtier.device",
-    "HostPool": "kvtier.host",
-    "CacheDType": "kvtier.spec",
-    "KVCacheSpec": "kvtier.spec",
-    "KVLayout": "kvtier.spec",
-    "Part": "kvtier.spec",
-    "Client": "kvtier.client",
+    "BlockCopier": "kvtier.memory.copier",
+    "make_copier": "kvtier.memory.copier",
+    "DeviceCache": "kvtier.memory.device",
+    "HostPool": "kvtier.memory.host",
+    "CacheDType": "kvtier.layout.spec",
+    "KVCacheSpec": "kvtier.layout.spec",
+    "KVLayout": "kvtier.layout.spec",
+    "Part": "kvtier.layout.spec",
+    "Client": "kvtier.engine.client",
 }
 
 if TYPE_CHECKING:
-    from kvtier.client import Client
-    from kvtier.copier import BlockCopier, make_copier
-    from kvtier.device import DeviceCache
-    from kvtier.host import HostPool
-    from kvtier.spec import CacheDType, KVCacheSpec, KVLayout, Part
+    from kvtier.engine.client import Client
+    from kvtier.layout.spec import CacheDType, KVCacheSpec, KVLayout, Part
+    from kvtier.memory.copier import BlockCopier, make_copier
+    from kvtier.memory.device import DeviceCache
+    from kvtier.memory.host import HostPool
 
 
 def __getattr__(name: str) -> Any:

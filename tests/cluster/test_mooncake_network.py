@@ -3,7 +3,7 @@
 Mooncake's transfer engine binds every interface whatever host it is given, and its TCP
 protocol serves reads of registered memory to any peer; the master's HTTP metadata server
 (which hands out buffer addresses) binds every interface despite its host flag. kvtier starts
-those processes with its bind guard (``kvtier.bindguard``). Checked twice: on one machine
+those processes with its bind guard (``kvtier.common.bindguard``). Checked twice: on one machine
 (loopback) and as a cluster runs — a master, a storage node and two workers, each in its own
 network namespace with an address that exists only there.
 """
@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from conftest import require_mooncake, require_namespaces
-from kvtier import bindguard
-from kvtier.client import Client
-from kvtier.config import WorkerConfig
-from kvtier.device import DeviceCache, cache_name
+from kvtier.common import bindguard
+from kvtier.engine.client import Client
+from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.worker.config import WorkerConfig
 from netcheck import Namespaces, listeners, start_role
 from worker_helpers import FAST, WSPEC, block, engine, fill, hashes, same
 
@@ -117,7 +117,7 @@ def test_a_cluster_in_private_networks_moves_bytes_and_listens_only_where_config
                 log = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115 - closed with the test
                 worker = net.run(
                     role,
-                    [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(path)],
+                    [sys.executable, "-m", "kvtier.ops.cli", "serve", "--config", str(path)],
                     stdout=log,
                     stderr=log,
                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import require_mooncake
-from kvtier.config import env_sources
-from kvtier.config_sources import Source, merge
+from kvtier.common.config_sources import Source, merge
 from kvtier.errors import ConfigError, StorageUnavailable
-from kvtier.host import HostPool
+from kvtier.memory.host import HostPool
+from kvtier.worker.config import env_sources
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 
@@ -100,7 +100,8 @@ def test_master_restart_gives_unavailable_then_recovers() -> None:
 
 
 def test_config_from_dict_and_env() -> None:
-    """KVTIER_MOONCAKE_<FIELD> variables are read at the edge (kvtier.config, the CLI), between
+    """KVTIER_MOONCAKE_<FIELD> variables are read at the edge (kvtier.worker.config, the CLI),
+    between
     the YAML and the flags, as every other setting."""
     env = {
         "KVTIER_MOONCAKE_MASTER_ADDRESS": "10.0.0.1:5000",

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import require_mooncake, require_namespaces, require_vllm
-from kvtier import auth
+from kvtier.transport import auth
 from kvtier_bench.vllm_server import Server
 from netcheck import Namespaces, start_role
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import tasks as t
-from kvtier.client import Client
-from kvtier.copier import make_copier
-from kvtier.device import DeviceCache, cache_name
-from kvtier.host import HostPool
-from kvtier.keys import block_hashes
-from kvtier.spec import KVCacheSpec, Part
+from kvtier.engine.client import Client
+from kvtier.layout.keys import block_hashes
+from kvtier.layout.spec import KVCacheSpec, Part
+from kvtier.memory.copier import make_copier
+from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.memory.host import HostPool
+from kvtier.transport import tasks as t
 
 pytestmark = [
     pytest.mark.gpu,
@@ -165,7 +165,7 @@ def test_a_partial_load_never_leaves_failed_bytes_in_device_blocks(gpu_engine) -
     spec, cache, client, root = gpu_engine
     h = _hashes(3, spec.block_size, seed=1)
     assert client.save(h, [1, 2, 3]).blocks == [1, 2, 3]
-    from kvtier.keys import KeyScheme
+    from kvtier.layout.keys import KeyScheme
     from kvtier.storage.file import FileStore
 
     key = KeyScheme("default", spec.fingerprint, 0).key(h[1])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.shm import SHM_DIR
+from kvtier.memory.shm import SHM_DIR
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
 SCENARIO_TIMEOUT_S = 600

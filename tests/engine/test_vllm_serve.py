@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import pd_proxy
+from kvtier.ops import pd_proxy
 from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server
 
 PREFIX = list(range(3, 515))  # 512 shared tokens: 4 full blocks of 128

@@ -30,7 +30,7 @@ def kvtier(
     *args: str, timeout: float = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args],
+        [sys.executable, "-m", "kvtier.ops.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -241,7 +241,7 @@ def test_serve_settings_from_the_environment_and_flags_that_do_nothing(tmp_path)
         import os
 
         return subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "serve", *flags],
+            [sys.executable, "-m", "kvtier.ops.cli", "serve", *flags],
             capture_output=True,
             text=True,
             timeout=120,
@@ -327,7 +327,7 @@ def test_every_numeric_option_is_checked_in_one_line(argv, needle) -> None:
 
 
 def test_sizes_parse_one_way_everywhere(tmp_path) -> None:
-    from kvtier.cli import _bench_parser, build_parser
+    from kvtier.ops.cli import _bench_parser, build_parser
 
     bench = _bench_parser("storage").parse_args(["--bytes-per-run", "64M"])
     assert bench.bytes_per_run == 64 << 20  # it was refused: "invalid int value: '64M'"
@@ -345,11 +345,11 @@ def test_a_mistyped_flag_shows_the_subcommands_usage() -> None:
 
 
 def test_bench_help_answers_without_torch_and_says_what_the_mac_is() -> None:
-    from kvtier.cli import BENCHES
+    from kvtier.ops.cli import BENCHES
 
     code = (
         "import sys, contextlib, io\n"
-        "from kvtier.cli import main\n"
+        "from kvtier.ops.cli import main\n"
         "for name in sys.argv[1:]:\n"
         "    out = io.StringIO()\n"
         "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
@@ -379,7 +379,7 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(tmp_path) -> No
 def test_keep_store_takes_only_a_new_empty_or_kvtier_directory(tmp_path) -> None:
     """`kvtier demo --keep-store /etc` wrote objects/ and tmp/ into /etc. The run that is
     allowed also has no native copier: the demo says so (the workers' log said it alone)."""
-    from kvtier.demo_run import check_keep_store
+    from kvtier.ops.demo_run import check_keep_store
 
     other = tmp_path / "other"
     other.mkdir()

@@ -1,4 +1,5 @@
-"""Direct calls (``kvtier.direct``): a synchronous task on the calling thread's own connection,
+"""Direct calls (``kvtier.engine.direct``): a synchronous task on the calling thread's own
+connection,
 with real worker processes — answered exactly once, bytes right, never a hang."""
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import time
 import pytest
 import zmq
 
-from kvtier import tasks as t
 from kvtier.errors import TaskTimeout, WorkerLost
+from kvtier.transport import tasks as t
 from worker_helpers import FAST, block, engine, hashes, same
 
 SLOW_STORE = {"backend": "memory", "faults": {"latency_s": 1.5}}
@@ -136,9 +137,9 @@ def test_a_heartbeat_is_echoed_with_its_own_stamp(tmp_path) -> None:
 
 def test_threads_past_the_bound_go_through_the_io_thread(tmp_path, monkeypatch) -> None:
     """A thread made per call must not pile up sockets (and peers at every worker)."""
-    import kvtier.direct
+    import kvtier.engine.direct
 
-    monkeypatch.setattr(kvtier.direct, "MAX_LINES", 2)
+    monkeypatch.setattr(kvtier.engine.direct, "MAX_LINES", 2)
     with engine(tmp_path, world_size=1) as (client, _):
         answers: list = []
         for _ in range(4):

@@ -43,7 +43,7 @@ def test_install_without_a_c_compiler(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = (tmp_path / "wheels").glob("kvtier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "kvtier/copier.py" in names
+    assert "kvtier/memory/copier.py" in names
     assert not [n for n in names if n.startswith("kvtier/_copy") and n.endswith(".so")]
 
 
@@ -59,8 +59,8 @@ def test_workers_start_whatever_the_working_directory_holds(tmp_path) -> None:
         textwrap.dedent(
             """
             import uuid
-            from kvtier.client import Client
-            from kvtier.spec import KVCacheSpec
+            from kvtier.engine.client import Client
+            from kvtier.layout.spec import KVCacheSpec
 
             spec = KVCacheSpec(num_layers=1, num_blocks=8, num_kv_heads=1, block_size=16,
                                head_dim=32)

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from conftest import paths_below, require_mooncake
-from kvtier import tasks as t
-from kvtier.client import Client
-from kvtier.device import DeviceCache, cache_name
+from kvtier.engine.client import Client
+from kvtier.engine.launcher import start_workers, worker_configs
 from kvtier.errors import ConfigError, WorkerError, WorkerLost
-from kvtier.launcher import start_workers, worker_configs
-from kvtier.shm import SHM_DIR
+from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.memory.shm import SHM_DIR
+from kvtier.transport import tasks as t
 from worker_helpers import FAST, WSPEC
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
@@ -300,7 +300,7 @@ def _spawn_demo(
 ) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": str(tmpdir)}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--turns", "16", "--instance-id", instance]
+        [sys.executable, "-m", "kvtier.ops.cli", "demo", "--turns", "16", "--instance-id", instance]
         + list(extra),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

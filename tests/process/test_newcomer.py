@@ -90,7 +90,7 @@ def test_store_stats_json_gives_numbers_not_words(tmp_path) -> None:
     code = (
         "import sys, torch\n"
         "from kvtier import HostPool\n"
-        "from kvtier.keys import KeyScheme\n"
+        "from kvtier.layout.keys import KeyScheme\n"
         "from kvtier.storage.file import FileStore\n"
         "from worker_helpers import WSPEC, hashes\n"
         "keys = KeyScheme('model', WSPEC.fingerprint, 0).keys(hashes(3))\n"

@@ -12,17 +12,20 @@ import uuid
 import numpy as np
 import pytest
 
-from kvtier import tasks as t
-from kvtier.host import HostPool
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.memory.host import HostPool
 from kvtier.storage.file import FileStore
+from kvtier.transport import tasks as t
 from storage_contract import CONTRACT_SPEC
 from worker_helpers import FAST, engine, hashes, lone_worker_flags
 
 
 def kvtier(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "kvtier.ops.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -76,7 +79,7 @@ def test_store_stats_counts_every_group(store_root) -> None:
 def test_stored_text_never_drives_the_operators_terminal(tmp_path) -> None:
     """A store writer named a namespace with terminal escapes: `kvtier store stats` cleared the
     operator's screen and printed a fake "store healthy" line."""
-    from kvtier.table import printable
+    from kvtier.ops.table import printable
 
     root = tmp_path / "store"
     evil = "x\x1b[2J\x1b[H\rstore healthy\u202e"
@@ -173,15 +176,15 @@ def test_status_shows_each_state_of_live_workers(tmp_path) -> None:
 
 def test_an_observer_gets_stats_only_and_keeps_no_worker_alive(tmp_path) -> None:
     """`kvtier status --watch` must not stand in for a dead engine."""
-    from kvtier.client import Client
-    from kvtier.config import endpoint_for
+    from kvtier.engine.client import Client
+    from kvtier.worker.config import endpoint_for
 
     instance = f"obs{uuid.uuid4().hex[:6]}"
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "kvtier.cli",
+            "kvtier.ops.cli",
             "serve",
             *lone_worker_flags(instance),
             "--engine-timeout-s",
@@ -241,7 +244,7 @@ def test_store_verify_never_allocates_what_a_planted_header_claims(store_root) -
         resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "store", "verify", str(root), "--json"],
+        [sys.executable, "-m", "kvtier.ops.cli", "store", "verify", str(root), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

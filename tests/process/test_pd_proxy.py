@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvtier import pd_proxy
+from kvtier.ops import pd_proxy
 
 
 class Upstream(ThreadingHTTPServer):

@@ -67,7 +67,7 @@ def _subparser(parser, words: list[str]):
 def test_every_option_the_docs_name_exists() -> None:
     """Every `--option` in a `kvtier ...` mention (tables and prose too) is one its command
     takes: a renamed or removed option fails here, not in a reader's terminal."""
-    from kvtier.cli import _bench_parser, build_parser
+    from kvtier.ops.cli import _bench_parser, build_parser
 
     unknown = []
     for doc in DOCS:
@@ -85,7 +85,7 @@ def test_every_option_the_docs_name_exists() -> None:
 
 
 def test_every_kvtier_command_in_the_docs_parses() -> None:
-    from kvtier.cli import build_parser
+    from kvtier.ops.cli import build_parser
 
     commands = [c for doc in DOCS for c in _kvtier_commands(doc.read_text())]
     assert commands, "no kvtier command found in the docs"

@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from conftest import require_mooncake
 from crash_saver import run_iterations
-from kvtier import tasks as t
-from kvtier.client import Client
+from kvtier.engine.client import Client
 from kvtier.errors import WorkerLost
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.storage.file import FileStore
+from kvtier.transport import tasks as t
 from worker_helpers import FAST, WSPEC, block, engine, same
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
@@ -81,7 +81,7 @@ def test_worker_death_during_each_task_type(tmp_path, figures) -> None:
         "root": str(root),
         "faults": {"latency_s": 1.0},
     }  # storage tasks take a while: kill lands mid-task
-    from kvtier.device import DeviceCache, cache_name
+    from kvtier.memory.device import DeviceCache, cache_name
 
     caches = [DeviceCache.create(WSPEC, cache_name(instance, r)) for r in range(2)]
     try:
@@ -138,7 +138,7 @@ def test_worker_death_during_each_task_type(tmp_path, figures) -> None:
 
 
 def test_engine_death_and_a_clean_restart(tmp_path, figures) -> None:
-    from kvtier.config import default_socket_dir
+    from kvtier.worker.config import default_socket_dir
 
     instance = f"eng{uuid.uuid4().hex[:8]}"
     for attempt in range(2):  # the second start reuses every name the first one had

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import torch
 
-from kvtier import tasks as t
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.storage.file import FileStore
+from kvtier.transport import tasks as t
 from worker_helpers import WSPEC, engine
 
 

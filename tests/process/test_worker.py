@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvtier import tasks as t
-from kvtier.config import default_socket_dir
 from kvtier.errors import TaskTimeout, WorkerLost
-from kvtier.keys import KeyScheme
+from kvtier.layout.keys import KeyScheme
 from kvtier.storage.file import FileStore
+from kvtier.transport import tasks as t
+from kvtier.worker.config import default_socket_dir
 from worker_helpers import (
     FAST,
     WSPEC,
@@ -292,9 +292,9 @@ def test_concurrent_submitters(tmp_path) -> None:
 
 
 def test_in_process_worker_as_a_library_object(tmp_path) -> None:
-    from kvtier.client import Client
-    from kvtier.config import WorkerConfig
-    from kvtier.worker import Worker
+    from kvtier.engine.client import Client
+    from kvtier.worker.config import WorkerConfig
+    from kvtier.worker.loop import Worker
 
     cfg = WorkerConfig(
         spec=WSPEC,
@@ -344,7 +344,7 @@ def test_sigterm_answers_every_task_and_cleans_up(tmp_path) -> None:
 
 
 def test_wakeup_without_the_device_cache_is_a_500_then_recovers(tmp_path) -> None:
-    from kvtier.device import DeviceCache
+    from kvtier.memory.device import DeviceCache
 
     with engine(tmp_path, world_size=1) as (client, caches):
         name = caches[0].name
@@ -376,7 +376,7 @@ def test_resume_rereads_version_yaml_and_a_missing_file_keeps_it(tmp_path) -> No
 
 
 def test_launch_failure_says_why(tmp_path) -> None:
-    from kvtier.client import Client
+    from kvtier.engine.client import Client
     from kvtier.errors import WorkerError
 
     with pytest.raises(WorkerError, match="no device cache named"):
@@ -384,8 +384,8 @@ def test_launch_failure_says_why(tmp_path) -> None:
 
 
 def test_serve_with_the_old_engine_flags(tmp_path) -> None:
-    from kvtier.client import Client
-    from kvtier.config import endpoint_for
+    from kvtier.engine.client import Client
+    from kvtier.worker.config import endpoint_for
 
     instance = f"old{uuid.uuid4().hex[:6]}"
     flags = [
@@ -421,7 +421,7 @@ def test_serve_with_the_old_engine_flags(tmp_path) -> None:
         "20",
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", *flags], stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "kvtier.ops.cli", "serve", *flags], stderr=subprocess.PIPE, text=True
     )
     try:
         with Client.connect([endpoint_for(instance, 0)], **FAST) as client:
@@ -457,13 +457,13 @@ def test_prometheus_metrics_are_scraped_over_loopback(tmp_path) -> None:
 def test_a_worker_nobody_talks_to_exits_after_engine_timeout(tmp_path) -> None:
     """A worker run on its own (no launcher to watch) exits after engine_timeout_s of silence
     from every client that said hello; a peer that never said hello keeps nothing alive."""
-    from kvtier.client import Client
-    from kvtier.config import endpoint_for
+    from kvtier.engine.client import Client
+    from kvtier.worker.config import endpoint_for
 
     instance = f"idle{uuid.uuid4().hex[:6]}"
     flags = lone_worker_flags(instance)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", *flags, "--engine-timeout-s", "2"],
+        [sys.executable, "-m", "kvtier.ops.cli", "serve", *flags, "--engine-timeout-s", "2"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -492,8 +492,8 @@ def test_the_engines_silence_counts_from_its_first_hello(tmp_path) -> None:
     """Item: at load 13 a worker with engine_timeout_s=2 exited before the engine's first hello.
     Before an engine says hello, only start_timeout_s bounds the wait; from the hello on, the
     engine's silence (engine_timeout_s)."""
-    from kvtier.client import Client
-    from kvtier.config import endpoint_for
+    from kvtier.engine.client import Client
+    from kvtier.worker.config import endpoint_for
 
     def serve(instance: str, start_timeout_s: float) -> subprocess.Popen:
         flags = [*lone_worker_flags(instance), "--engine-timeout-s", "1"]
@@ -501,7 +501,7 @@ def test_the_engines_silence_counts_from_its_first_hello(tmp_path) -> None:
             [
                 sys.executable,
                 "-m",
-                "kvtier.cli",
+                "kvtier.ops.cli",
                 "serve",
                 *flags,
                 "--start-timeout-s",
@@ -552,8 +552,8 @@ def test_cpu_cores_place_every_thread_of_the_worker(tmp_path, monkeypatch) -> No
 
 
 def test_a_bad_cpu_list_names_the_field() -> None:
-    from kvtier.config import WorkerConfig
     from kvtier.errors import ConfigError
+    from kvtier.worker.config import WorkerConfig
 
     for bad in ("", "a", "3-1", "1,,x"):
         with pytest.raises(ConfigError, match="cpu_cores"):

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from conftest import SPECS
-from kvtier.config import WorkerConfig, default_socket_dir
-from kvtier.device import DeviceCache
-from kvtier.endpoint import EndpointClaim
 from kvtier.errors import ConfigError, DeviceCacheError, UnsafeFile, WorkerError
-from kvtier.host import HostPool
-from kvtier.keys import KeyScheme, block_hashes
-from kvtier.shm import SHM_DIR
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.memory.device import DeviceCache
+from kvtier.memory.host import HostPool
+from kvtier.memory.shm import SHM_DIR
 from kvtier.storage.file import FileStore
+from kvtier.transport.endpoint import EndpointClaim
+from kvtier.worker.config import WorkerConfig, default_socket_dir
 
 SPEC = SPECS["bf16"]
 NOBODY = 65534
@@ -227,8 +227,8 @@ def test_a_writer_of_the_store_cannot_forge_what_a_worker_loads(tmp_path, authen
     """Anyone who can write the store (another account of a shared store, any Mooncake client)
     can replace a payload and fix every checksum: the worker loaded it as ``ok``. With
     ``storage.mac_key_file`` it is a miss."""
-    from kvtier import auth
-    from kvtier.tasks import Status
+    from kvtier.transport import auth
+    from kvtier.transport.tasks import Status
     from storage_contract import reseal
     from worker_helpers import WSPEC, block, engine, hashes
 
@@ -254,8 +254,8 @@ def test_a_writer_of_the_store_cannot_forge_what_a_worker_loads(tmp_path, authen
 
 
 def test_the_mac_key_comes_from_a_private_file_or_the_environment(tmp_path, monkeypatch) -> None:
-    from kvtier import auth
     from kvtier.storage import MAC_KEY_ENV, make_backend
+    from kvtier.transport import auth
 
     key_file = tmp_path / "mac.key"
     key = auth.write_key(key_file)
@@ -288,7 +288,7 @@ def test_the_metrics_exporter_bounds_its_connections() -> None:
     import time
     import urllib.request
 
-    from kvtier.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, WorkerMetrics
+    from kvtier.worker.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, WorkerMetrics
 
     snapshot = {"storage": {}, "queue_depths": {}, "state": "running"}
     metrics = WorkerMetrics(0, lambda: snapshot)
@@ -321,7 +321,7 @@ def test_trickling_peers_cannot_blind_the_metrics_exporter() -> None:
     import time
     import urllib.request
 
-    from kvtier.metrics import MAX_CONNECTIONS, REQUEST_DEADLINE_S, WorkerMetrics
+    from kvtier.worker.metrics import MAX_CONNECTIONS, REQUEST_DEADLINE_S, WorkerMetrics
 
     metrics = WorkerMetrics(0, lambda: {"storage": {}, "queue_depths": {}, "state": "running"})
     port = metrics.serve(0)
@@ -362,8 +362,8 @@ def test_a_client_cannot_queue_unbounded_work_and_heartbeats_keep_flowing(tmp_pa
     """100,000 queued tasks of 2^20 ids each used to be accepted by a paused worker: 4.1 GiB RSS
     and a 13 s heartbeat gap. Each client's queued ids are bounded; beyond, a clear refusal."""
 
-    from kvtier import tasks as t
-    from kvtier.gate import MAX_QUEUED_IDS_PER_OWNER
+    from kvtier.transport import tasks as t
+    from kvtier.worker.gate import MAX_QUEUED_IDS_PER_OWNER
     from worker_helpers import engine
 
     ids = list(range(t.MAX_IDS_PER_TASK))

@@ -1,6 +1,7 @@
 """A local user who makes a store root, a log directory or ``--keep-store`` first, in a shared
 sticky directory (``/tmp/kv``, ``/dev/shm/kv``), plants a forged object with a valid checksum and
-waits for the victim: refused before anything in it is read or written (``kvtier.user_dirs``).
+waits for the victim: refused before anything in it is read or written
+(``kvtier.common.user_dirs``).
 
 The attacker is uid 12345 with no group: giving it files needs root (CI runs as root); elsewhere
 those cases skip with that reason. A parent writable by others runs as any user.
@@ -20,8 +21,8 @@ import pytest
 
 from conftest import SPECS
 from kvtier.errors import ConfigError
-from kvtier.host import HostPool
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.memory.host import HostPool
 from kvtier.storage.file import FileStore
 
 SPEC = SPECS["bf16"]
@@ -110,7 +111,7 @@ def test_a_squatted_keep_store_and_log_dir_are_refused_by_the_commands(sticky) -
     before = _tree(root)
     env = {**os.environ, "TMPDIR": str(sticky), "XDG_RUNTIME_DIR": str(sticky)}
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--keep-store", str(root)],
+        [sys.executable, "-m", "kvtier.ops.cli", "demo", "--keep-store", str(root)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -122,8 +123,8 @@ def test_a_squatted_keep_store_and_log_dir_are_refused_by_the_commands(sticky) -
     assert "Traceback" not in out.stderr
     assert _tree(root) == before
 
-    from kvtier.client import Client
-    from kvtier.spec import KVCacheSpec
+    from kvtier.engine.client import Client
+    from kvtier.layout.spec import KVCacheSpec
 
     spec = KVCacheSpec(num_layers=1, num_blocks=4, num_kv_heads=1, block_size=16, head_dim=8)
     with pytest.raises(ConfigError, match=rf"log_dir: refusing .*uid {ATTACKER}"):
@@ -158,8 +159,8 @@ def test_a_tmpdir_others_may_rename_in_is_refused_for_sockets_and_launches(
     in place (a fake worker's socket)."""
     import tempfile as tempfile_module
 
-    from kvtier import launcher
-    from kvtier.config import default_socket_dir
+    from kvtier.engine import launcher
+    from kvtier.worker.config import default_socket_dir
 
     open_tmp = tmp_path / "tmp"
     open_tmp.mkdir()

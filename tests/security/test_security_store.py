@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SPECS
-from kvtier.host import HostPool
-from kvtier.keys import KeyScheme, block_hashes
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.memory.host import HostPool
 from kvtier.storage.file import FileStore
 
 SPEC = SPECS["bf16"]

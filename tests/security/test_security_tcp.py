@@ -21,12 +21,12 @@ import pytest
 import zmq
 
 from conftest import SPECS
-from kvtier import tasks as t
-from kvtier.auth import write_key
-from kvtier.client import Client
-from kvtier.config import WorkerConfig
+from kvtier.engine.client import Client
 from kvtier.errors import ConfigError, PeerNotVerified
-from kvtier.worker import Worker
+from kvtier.transport import tasks as t
+from kvtier.transport.auth import write_key
+from kvtier.worker.config import WorkerConfig
+from kvtier.worker.loop import Worker
 
 SPEC = SPECS["bf16"]
 
@@ -257,7 +257,7 @@ def test_strangers_get_no_frame_through_and_are_logged_once(tmp_path, caplog) ->
     """A peer without the secret used to have its messages decoded and answered ("say hello
     first"); now the handshake refuses it before any frame, and a peer that retries in a loop
     is logged once per interval, with a count."""
-    caplog.set_level(logging.WARNING, logger="kvtier.worker")
+    caplog.set_level(logging.WARNING, logger="kvtier.worker.loop")
     with _worker(tmp_path) as (worker, endpoint, key_file, _):
         ctx = zmq.Context()
         strangers = []
@@ -298,7 +298,7 @@ def test_strangers_get_no_frame_through_and_are_logged_once(tmp_path, caplog) ->
 
 
 def _server_key(key_file) -> bytes:
-    from kvtier.auth import CurveKeys
+    from kvtier.transport.auth import CurveKeys
 
     return CurveKeys.from_file(key_file).server_public
 
@@ -343,7 +343,7 @@ def test_a_flood_of_strangers_costs_the_worker_no_memory_and_no_answers(tmp_path
     """8 connections sending 60 MiB messages without the secret used to raise the worker's RSS
     to 1.4 GiB and make the engine declare it lost in ~12 s (messages were decoded before the
     hello was checked)."""
-    from kvtier.device import DeviceCache, cache_name
+    from kvtier.memory.device import DeviceCache, cache_name
 
     key_file = tmp_path / "secret"
     write_key(key_file)

@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 
-from kvtier.config import WorkerConfig, load_config
 from kvtier.errors import ConfigError
+from kvtier.worker.config import WorkerConfig, load_config
 from worker_helpers import WSPEC
 
 
@@ -60,7 +60,7 @@ def test_env_value_of_the_wrong_type(tmp_path) -> None:
 def test_serve_refuses_bad_flags_with_one_line(tmp_path) -> None:
     def serve(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "serve", *flags],
+            [sys.executable, "-m", "kvtier.ops.cli", "serve", *flags],
             capture_output=True,
             text=True,
             timeout=120,
@@ -109,7 +109,7 @@ ENV = {
 
 def _resolve_split(tmp_path, placement: dict[str, str], values: dict) -> WorkerConfig:
     """``kvtier serve`` with each field given where ``placement`` says (yaml, env or flag)."""
-    from kvtier.cli import _serve_overrides, build_parser
+    from kvtier.ops.cli import _serve_overrides, build_parser
 
     yaml_data: dict = {"spec": WSPEC.to_dict(), "instance_id": "abc"}
     env: dict[str, str] = {}
@@ -159,7 +159,7 @@ def test_every_source_and_combination_resolves_identically(tmp_path) -> None:
 
 def test_the_flag_that_dropped_the_yaml_store_keeps_it(tmp_path) -> None:
     """`kvtier serve --config w.yaml --storage-backend file`: the YAML's root and capacity."""
-    from kvtier.cli import _serve_overrides, build_parser
+    from kvtier.ops.cli import _serve_overrides, build_parser
 
     store = {"backend": "file", "root": str(tmp_path / "s"), "capacity_bytes": 4096}
     path = _yaml(tmp_path, storage=store)
@@ -204,7 +204,7 @@ def test_later_sources_win_field_by_field(tmp_path) -> None:
     ],
 )
 def test_errors_name_the_source_of_the_value(tmp_path, yaml_settings, env, flags, message):
-    from kvtier.cli import _serve_overrides, build_parser
+    from kvtier.ops.cli import _serve_overrides, build_parser
 
     path = _yaml(tmp_path, **yaml_settings)
     args = build_parser().parse_args(["serve", "--config", str(path), *flags])
@@ -216,7 +216,7 @@ def test_errors_name_the_source_of_the_value(tmp_path, yaml_settings, env, flags
 def test_launch_and_the_connector_resolve_as_serve_does(tmp_path, monkeypatch) -> None:
     """Client.launch and the vLLM connector: the environment under their arguments, as under
     serve's flags; a launched worker does not read the environment a second time."""
-    from kvtier.launcher import worker_configs
+    from kvtier.engine.launcher import worker_configs
 
     monkeypatch.setenv("KVTIER_NAMESPACE", "from-env")
     monkeypatch.setenv("KVTIER_STORAGE", f"{{root: {tmp_path}, capacity_bytes: 4096}}")
@@ -229,7 +229,7 @@ def test_launch_and_the_connector_resolve_as_serve_does(tmp_path, monkeypatch) -
             WSPEC, 1, None, "abc", None, {"staging_blocks": 0}, "kv_connector_extra_config"
         )
     # What the launcher writes is complete: serve --config-is-complete ignores the environment.
-    from kvtier.cli import _serve_overrides, build_parser
+    from kvtier.ops.cli import _serve_overrides, build_parser
 
     path = tmp_path / "rank0.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
@@ -240,7 +240,7 @@ def test_launch_and_the_connector_resolve_as_serve_does(tmp_path, monkeypatch) -
 
 def test_a_socket_path_too_long_for_unix_is_a_config_error(tmp_path, monkeypatch) -> None:
     """ZeroMQ's "File name too long" named neither the path nor what to change."""
-    from kvtier.config import MAX_SOCKET_PATH, endpoint_for
+    from kvtier.worker.config import MAX_SOCKET_PATH, endpoint_for
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     fits = "i" * (MAX_SOCKET_PATH - len(f"{tmp_path}/kvtier-{os.getuid()}/-rank0.sock"))

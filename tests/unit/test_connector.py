@@ -28,7 +28,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvtier.client import Client  # noqa: E402
+from kvtier.engine.client import Client  # noqa: E402
 from kvtier.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.vllm.transfers import StepTransfers  # noqa: E402

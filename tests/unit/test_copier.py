@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 import procs
 from conftest import SPECS, block_bytes_of, fill_random
-from kvtier.checksum import payload_checksum
-from kvtier.copier import CpuBlockCopier, TorchBlockCopier, make_copier
-from kvtier.device import DeviceCache, cache_name
 from kvtier.errors import DeviceCacheDetached, InvalidBlockIds, LayoutMismatch
-from kvtier.host import HostPool
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.checksum import payload_checksum
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.copier import CpuBlockCopier, TorchBlockCopier, make_copier
+from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.memory.host import HostPool
 
 COPIERS = {"native": CpuBlockCopier, "torch": TorchBlockCopier}
 

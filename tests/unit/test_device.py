@@ -13,10 +13,10 @@ import torch
 
 import procs
 from conftest import SPECS, block_bytes_of, fill_random
-from kvtier.device import CacheMode, DeviceCache, cache_name
 from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
-from kvtier.shm import SHM_DIR, reclaim_orphans
-from kvtier.spec import KVCacheSpec, Part
+from kvtier.layout.spec import KVCacheSpec, Part
+from kvtier.memory.device import CacheMode, DeviceCache, cache_name
+from kvtier.memory.shm import SHM_DIR, reclaim_orphans
 
 SPAWN = mp.get_context("spawn")
 
@@ -79,7 +79,7 @@ def test_name_left_by_crashed_owner_is_reclaimed(name: str, caplog) -> None:
     assert (SHM_DIR / f"{name}.kvcache").exists()
     with pytest.raises(DeviceCacheError, match="crashed owner"):
         DeviceCache.attach(spec, name)
-    with caplog.at_level(logging.WARNING, logger="kvtier.shm"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.memory.shm"):
         cache = DeviceCache.create(spec, name)
     reclaim = [r for r in caplog.records if "died" in r.getMessage()]
     assert len(reclaim) == 1 and name in reclaim[0].getMessage()

@@ -9,9 +9,9 @@ import torch
 
 from conftest import SPECS
 from kvtier.errors import ConfigError, DeviceCacheError, InvalidBlockIds
-from kvtier.host import HEADER_SLOT_BYTES, HostPool
-from kvtier.shm import SHM_DIR
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.host import HEADER_SLOT_BYTES, HostPool
+from kvtier.memory.shm import SHM_DIR
 
 
 def test_page_first_layout(spec: KVCacheSpec) -> None:
@@ -55,9 +55,9 @@ def test_bad_arguments() -> None:
 def test_an_absurd_host_pool_is_refused_before_anything_is_allocated(monkeypatch) -> None:
     """The worker used to create (and then remove) its device cache before the host pool's size
     was checked: every size is checked first now."""
-    from kvtier.config import WorkerConfig
-    from kvtier.device import DeviceCache
-    from kvtier.resources import RankResources
+    from kvtier.memory.device import DeviceCache
+    from kvtier.worker.config import WorkerConfig
+    from kvtier.worker.resources import RankResources
 
     created: list[str] = []
     original = DeviceCache.create

@@ -12,8 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.errors import ConfigError, InvalidInput, NoFreeBlocks
-from kvtier.index import (
+from kvtier.engine.index import (
     CacheIndex,
     Plan,
     SaveHostEviction,
@@ -21,6 +20,7 @@ from kvtier.index import (
     Tier,
     WritePolicy,
 )
+from kvtier.errors import ConfigError, InvalidInput, NoFreeBlocks
 
 BLOCK = 4
 # Requests share prefixes: a "system prompt", then one of a few histories, then a turn.

@@ -15,20 +15,20 @@ import numpy as np
 import pytest
 
 from conftest import fill_random
-from kvtier import tasks as t
-from kvtier.client import Client, aggregate
-from kvtier.config import WorkerConfig
-from kvtier.control_plane import Answer, ControlPlane
-from kvtier.datapath import DataPath
-from kvtier.device import DeviceCache, cache_name
+from kvtier.engine.client import Client, aggregate
 from kvtier.errors import InvalidBlockHash, InvalidBlockIds
-from kvtier.gate import Gate, Refusal, WorkerState
-from kvtier.host import HostLayout, HostPool
-from kvtier.keys import KeyScheme, block_hashes
-from kvtier.resources import RankResources
+from kvtier.layout.keys import KeyScheme, block_hashes
+from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.memory.host import HostLayout, HostPool
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory import MemoryStore
-from kvtier.transport_local import LocalClient
+from kvtier.transport import tasks as t
+from kvtier.transport.local import LocalClient
+from kvtier.worker.config import WorkerConfig
+from kvtier.worker.control_plane import Answer, ControlPlane
+from kvtier.worker.datapath import DataPath
+from kvtier.worker.gate import Gate, Refusal, WorkerState
+from kvtier.worker.resources import RankResources
 from worker_helpers import WSPEC, block, local_worker, same
 
 
@@ -378,7 +378,7 @@ def test_oversized_lists_are_refused_at_decode() -> None:
 def test_the_client_survives_any_single_bad_message_from_a_worker() -> None:
     """1 KiB nested 1,000 deep used to kill the client's I/O thread (RecursionError), after
     which no timeout fired and the engine waited forever."""
-    from kvtier.transport_local import LocalServer
+    from kvtier.transport.local import LocalServer
 
     server = LocalServer(f"local://{uuid.uuid4().hex}")
     server.open()
@@ -417,9 +417,9 @@ def test_refused_hellos_are_logged_once_per_peer_per_interval(caplog) -> None:
     """Every refused hello used to be logged (~9 GiB a day per attacking connection)."""
     import logging
 
-    from kvtier.peers import PeerTable
+    from kvtier.worker.peers import PeerTable
 
-    caplog.set_level(logging.WARNING, logger="kvtier.worker")
+    caplog.set_level(logging.WARNING, logger="kvtier.worker.loop")
     table = PeerTable(rank=0, max_peers=8)
     for i in range(1000):
         accepted, why = table.hello(f"p{i}".encode(), t.Hello(protocol_version=99, client_id="a"))
@@ -436,7 +436,7 @@ def test_refused_hellos_are_logged_once_per_peer_per_interval(caplog) -> None:
 def test_status_observers_never_push_the_engine_out_of_the_peer_table() -> None:
     """Each `kvtier status` run is a new peer: thousands of them must not make the worker
     forget its engine (whose tasks would then be refused with "say hello first")."""
-    from kvtier.peers import PeerTable
+    from kvtier.worker.peers import PeerTable
 
     table = PeerTable(rank=0, max_peers=4)
     assert table.hello(b"engine", t.Hello(protocol_version=t.PROTOCOL_VERSION))[0]
@@ -452,7 +452,7 @@ def test_status_observers_never_push_the_engine_out_of_the_peer_table() -> None:
 def test_one_start_up_line_names_the_store_its_capacity_the_namespace_and_the_version(
     tmp_path, caplog
 ) -> None:
-    caplog.set_level("INFO", logger="kvtier.worker")
+    caplog.set_level("INFO", logger="kvtier.worker.loop")
     store = {"backend": "file", "root": str(tmp_path / "kv"), "capacity_bytes": 3 << 30}
     worker = local_worker("log", storage=store, namespace="llama.sha256", version="RL-STEP7")
     worker.close()

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-import kvtier.keys as keys_module
+import kvtier.layout.keys as keys_module
 from kvtier.errors import ConfigError, InvalidBlockHash, InvalidInput
-from kvtier.keys import KeyScheme, block_hashes, read_weight_version
+from kvtier.layout.keys import KeyScheme, block_hashes, read_weight_version
 
 
 def test_hash_is_the_documented_encoding() -> None:
@@ -114,14 +114,14 @@ def test_weight_version(tmp_path, caplog) -> None:
     assert read_weight_version(tmp_path) == "RL-STEP12"
     assert read_weight_version(None) == ""
     missing = tmp_path / "nowhere"
-    with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.layout.keys"):
         assert read_weight_version(missing) == ""
         assert read_weight_version(missing) == ""
     assert len([r for r in caplog.records if "nowhere" in r.getMessage()]) == 1  # warned once
     for text in ("version: 42\n", "other: RL-STEP1\n", "version: [unclosed\n", "RL-STEP1"):
         (tmp_path / "version.yaml").write_text(text)
         keys_module._warned_version_paths.clear()
-        with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.layout.keys"):
             assert read_weight_version(tmp_path) == "", text
         assert "malformed" in caplog.records[-1].getMessage()
 
@@ -133,7 +133,7 @@ def test_hostile_version_files_neither_block_nor_flood(tmp_path, caplog) -> None
     os.mkfifo(path)
     keys_module._warned_version_paths.clear()
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.layout.keys"):
         assert read_weight_version(tmp_path) == ""
     assert time.monotonic() - start < 1.0
     assert "not a regular file" in caplog.records[-1].getMessage()
@@ -145,7 +145,7 @@ def test_hostile_version_files_neither_block_nor_flood(tmp_path, caplog) -> None
     bomb.append("version: *h")
     path.write_text("\n".join(bomb) + "\n")
     keys_module._warned_version_paths.clear()
-    with caplog.at_level(logging.WARNING, logger="kvtier.keys"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.layout.keys"):
         assert read_weight_version(tmp_path) == ""
     assert len(caplog.records[-1].getMessage()) < 500
     path.write_text("version: RL-STEP1-" + "x" * 10_000 + "\n")  # larger than 4 KiB: refused

@@ -1,5 +1,6 @@
 """What kvtier holds, told to routers: a worker's save and load results name the blocks its store
-evicted or a weight update retired (``kvtier.removals``), and the connector turns every rank's
+evicted or a weight update retired (``kvtier.worker.removals``), and the connector turns every
+rank's
 news into vLLM's own KV events (``kvtier.vllm.events``). The real engine and vLLM's publisher
 are in ``tests/engine/test_vllm.py``."""
 
@@ -11,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import fill_random, require_vllm
-from kvtier import tasks as t
-from kvtier.client import Client
-from kvtier.keys import KeyScheme
+from kvtier.engine.client import Client
+from kvtier.layout.keys import KeyScheme
 from kvtier.storage.file import FileStore
+from kvtier.transport import tasks as t
 from worker_helpers import WSPEC, hashes, local_worker
 
 require_vllm()
@@ -56,7 +57,7 @@ def test_a_file_store_reports_only_keys_whose_trailer_names_their_object(tmp_pat
     """An evicted object whose key trailer was planted (another object's key) names nothing."""
     import torch
 
-    from kvtier.host import HostPool
+    from kvtier.memory.host import HostPool
 
     heard: list[list[str]] = []
     scheme = KeyScheme("ns", WSPEC.fingerprint, 0)

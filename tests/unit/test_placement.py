@@ -7,7 +7,7 @@ from conftest import require_vllm
 
 require_vllm()
 
-from kvtier.cpus import format_cpu_list, parse_cpu_list  # noqa: E402
+from kvtier.common.cpus import format_cpu_list, parse_cpu_list  # noqa: E402
 from kvtier.vllm.placement import bound_elsewhere, choose, omp_cores  # noqa: E402
 
 ALL16 = frozenset(range(16))

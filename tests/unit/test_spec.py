@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.legacy_flags import spec_from_flags
-from kvtier.spec import CacheDType, KVCacheSpec, Part
+from kvtier.layout.legacy_flags import spec_from_flags
+from kvtier.layout.spec import CacheDType, KVCacheSpec, Part
 
 
 def test_sizes_bf16() -> None:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvtier.errors import ConfigError, StorageUnavailable
-from kvtier.host import HostPool
+from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.faults import FaultInjectingStore
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys

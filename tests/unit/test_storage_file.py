@@ -14,7 +14,7 @@ import torch
 
 from crash_saver import run_iterations
 from kvtier.errors import ConfigError
-from kvtier.host import HostPool
+from kvtier.memory.host import HostPool
 from kvtier.storage import file_io, make_backend
 from kvtier.storage.file import FileStore, FileStoreConfig, FsyncPolicy
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.host import HostPool
+from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.arena import ArenaStore
 from kvtier.storage.memory import MemoryStore

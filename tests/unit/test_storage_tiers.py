@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvtier.errors import ConfigError, StorageUnavailable
-from kvtier.host import HostPool
+from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend, tier_writer, validate_storage_config
 from kvtier.storage.tiers import TieredStore
 from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
@@ -208,10 +208,10 @@ def test_a_workers_stats_status_and_metrics_show_each_tier(tmp_path) -> None:
     table and the exporter (a tier label)."""
     from prometheus_client import generate_latest
 
-    from kvtier import tasks as t
-    from kvtier.client import Client
-    from kvtier.metrics import WorkerMetrics
-    from kvtier.status import screen
+    from kvtier.engine.client import Client
+    from kvtier.ops.status import screen
+    from kvtier.transport import tasks as t
+    from kvtier.worker.metrics import WorkerMetrics
     from worker_helpers import local_worker
 
     storage = {"tiers": [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path)}]}

@@ -14,6 +14,11 @@ BENCH = ROOT / "bench"
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
+# The packages, lowest layer first: a module imports only its own package and the ones before it
+# (docs/architecture.md, "Module map"). `kvtier.testing` comes last: nothing imports it.
+LAYERS = ["common", "layout", "memory", "transport", "storage", "worker", "engine", "vllm", "ops"]
+LAYERS += ["testing"]
+ANYWHERE = {"kvtier", "kvtier.errors"}  # the lazy root and the exception tree
 
 
 def _module_name(path: Path) -> str:
@@ -60,6 +65,26 @@ def test_no_import_cycles_anywhere() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
 
 
+def _layer(module: str) -> int:
+    package = module.split(".")[1]
+    assert package in LAYERS, f"{module}: not in a layer's package (add it to LAYERS and the map)"
+    return LAYERS.index(package)
+
+
+def test_packages_import_only_lower_layers() -> None:
+    """Every module but the root and the exception tree lives in a layer's package, and imports
+    only its own package and lower layers (function-level and type-only imports included)."""
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        if name in ANYWHERE:
+            continue
+        for dep in _imports(path, set(modules)) - ANYWHERE:
+            if _layer(dep) > _layer(name):
+                wrong.append(f"{name} imports {dep}")
+    assert wrong == [], wrong
+
+
 def test_modules_classes_and_functions_are_small() -> None:
     """Modules <= 400 lines, classes <= 300, functions <= 60: the library and the benchmarks."""
     too_long = []
@@ -80,7 +105,7 @@ def test_modules_classes_and_functions_are_small() -> None:
 
 def test_help_answers_without_importing_torch() -> None:
     code = (
-        "import sys; from kvtier.cli import build_parser; build_parser(); "
+        "import sys; from kvtier.ops.cli import build_parser; build_parser(); "
         "import kvtier; kvtier.KvtierError; "
         "print(sorted(m for m in ('torch', 'zmq', 'vllm', 'numpy') if m in sys.modules))"
     )
@@ -92,7 +117,7 @@ def test_operator_tools_answer_without_importing_torch(tmp_path) -> None:
     """`kvtier store` and `kvtier status` are what an operator types on a busy server: they load
     neither torch nor a backend (0.4 s instead of 3 s here)."""
     code = (
-        "import sys; from kvtier.cli import main\n"
+        "import sys; from kvtier.ops.cli import main\n"
         "for argv in (['store', 'stats', sys.argv[1]], ['status', 'no-such-instance']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "print('loaded:', sorted(m for m in ('torch', 'vllm', 'mooncake') if m in sys.modules))"
@@ -122,7 +147,7 @@ def test_the_storage_contract_is_written_where_readers_look() -> None:
 
     import pytest
 
-    from kvtier.spec import KVCacheSpec
+    from kvtier.layout.spec import KVCacheSpec
     from kvtier.storage.base import StorageBackend
 
     undocumented = [

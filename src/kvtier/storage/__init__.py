@@ -6,11 +6,11 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config_sources import refuse_unknown
+from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtier.spec import KVCacheSpec
+    from kvtier.layout.spec import KVCacheSpec
     from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
 
 BACKENDS = ("file", "mooncake", "memory")
@@ -227,7 +227,7 @@ def _make_one(spec: KVCacheSpec, options: dict[str, Any], mac_key: bytes | None)
 
 def read_mac_key(path: str | None) -> bytes | None:
     """The MAC key: from ``path`` (a 0600 file of this user, hex), else from the environment."""
-    from kvtier import auth
+    from kvtier.transport import auth
 
     field = f"storage.{MAC_KEY_FILE}"
     if path is not None:

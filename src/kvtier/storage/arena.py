@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
-from kvtier.host import HostPool
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory.host import HostPool
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import HEADER_BYTES
 

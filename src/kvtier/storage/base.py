@@ -2,7 +2,7 @@
 
 Contract (implementations do not repeat it):
 
-- Keys are strings from ``kvtier.keys.KeyScheme``; an object is immutable once stored.
+- Keys are strings from ``kvtier.layout.keys.KeyScheme``; an object is immutable once stored.
 - ``host_blocks`` are uint8 tensors of exactly ``spec.block_bytes`` bytes, normally
   ``HostPool.block(i)`` views. The caller owns them; a backend reads them during ``put_from``
   and writes them during ``get_into`` and keeps no reference afterwards. ``get_into`` may
@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
 # Bad keys kept for a load to ask about (it asks at once: a few suffice; bounded all the same).

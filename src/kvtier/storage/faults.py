@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config_sources import refuse_unknown
+from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageUsage
 

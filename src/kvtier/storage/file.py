@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy
 from kvtier.storage.file_dirs import (

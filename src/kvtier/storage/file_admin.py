@@ -28,7 +28,7 @@ from pathlib import Path
 import xxhash
 
 from kvtier.errors import ObjectCorrupt, StorageError
-from kvtier.keys import KeyParts, KeyScheme
+from kvtier.layout.keys import KeyParts, KeyScheme
 from kvtier.storage.file_dirs import TMP_NAME
 from kvtier.storage.format import (
     HEADER_BYTES,

@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from kvtier.config_sources import refuse_unknown
+from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 # The default store (no root given) is bounded: a user who never configured storage must not find

@@ -7,7 +7,7 @@ descriptor, one component at a time, with ``O_NOFOLLOW | O_DIRECTORY``, and then
 or unlinks a *name* relative to the directory it reached. A link found where a directory
 should be is removed and replaced (never followed); the root itself is the operator's setting,
 and is used only where no other user controls it or a directory on the way to it
-(``kvtier.user_dirs``). Only names the store itself creates are ever unlinked
+(``kvtier.common.user_dirs``). Only names the store itself creates are ever unlinked
 (``OBJECT_NAME``, ``TMP_NAME``).
 
 Modes are set explicitly with ``fchmod`` on what this user owns, whatever the umask: under the
@@ -38,9 +38,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvtier.common.user_dirs import open_user_directory
 from kvtier.errors import ConfigError, StorageError
 from kvtier.storage.file_io import alive
-from kvtier.user_dirs import open_user_directory
 
 log = logging.getLogger("kvtier.storage.file")
 
@@ -150,7 +150,7 @@ class StoreDirs:
 
     def _open_root(self) -> None:
         """The root, made where missing; refused (``ConfigError``) where another user controls
-        it or a directory on the way to it (``kvtier.user_dirs``), before anything in it is
+        it or a directory on the way to it (``kvtier.common.user_dirs``), before anything in it is
         read or written."""
         shared = bool(self.dir_mode & stat.S_ISGID)  # a group store's documented modes
         fd, created = open_user_directory(

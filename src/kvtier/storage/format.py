@@ -42,8 +42,8 @@ from typing import NamedTuple
 import blake3
 import xxhash
 
-from kvtier.checksum import payload_checksum
 from kvtier.errors import ObjectCorrupt
+from kvtier.layout.checksum import payload_checksum
 
 MAGIC = b"KVTB"
 PLAIN, AUTHENTICATED = 1, 2

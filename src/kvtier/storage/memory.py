@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.errors import ObjectCorrupt
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import HEADER_BYTES
 

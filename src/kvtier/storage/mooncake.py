@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError, StorageUnavailable
-from kvtier.spec import KVCacheSpec
+from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.mooncake_setup import (
@@ -354,7 +354,7 @@ class MooncakeStore(StorageBackend):
 
 
 def _warn_if_unguarded(host: str) -> None:
-    from kvtier import bindguard
+    from kvtier.common import bindguard
 
     if bindguard.library() is not None and not bindguard.active(host):
         log.warning(

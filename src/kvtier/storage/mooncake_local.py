@@ -5,7 +5,7 @@ programs on free loopback ports and stop them again. They are children of the pr
 starts them and die with it (``PR_SET_PDEATHSIG``): a SIGKILLed demo leaves no master behind.
 Every listener they open is on ``host`` (loopback by default): the master by its flags — and
 by the bind guard for its HTTP metadata server, which ignores its host flag — and the store
-node by the bind guard (``kvtier.bindguard``).
+node by the bind guard (``kvtier.common.bindguard``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 
 def _guarded_environment(host: str) -> dict[str, str]:
-    from kvtier import bindguard
+    from kvtier.common import bindguard
     from kvtier.storage.mooncake_setup import BIND_ADDRESS_ENV
 
     return {**os.environ, BIND_ADDRESS_ENV: host, **bindguard.environment(host)}

@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config_sources import refuse_unknown
+from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError, StorageError, StorageUnavailable
 
 log = logging.getLogger("kvtier.storage.mooncake")
@@ -60,7 +60,7 @@ class MooncakeConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MooncakeConfig:
         """From a mapping (``KVTIER_MOONCAKE_<FIELD>`` variables are merged in at the edge, by
-        ``kvtier.config``)."""
+        ``kvtier.worker.config``)."""
         known = {f.name for f in fields(cls)}
         refuse_unknown(data, known | {"backend"}, "storage.", "option for the mooncake backend")
         return cls(**{k: v for k, v in data.items() if k in known})
@@ -75,7 +75,7 @@ def process_environment(config: Mapping[str, Any] | MooncakeConfig) -> dict[str,
     """The environment variables a process must have before it hosts a MooncakeStore built
     from ``config``. Set at the edge (the ``kvtier`` CLI, a launcher's child environment), never
     by the library."""
-    from kvtier import bindguard
+    from kvtier.common import bindguard
 
     if not isinstance(config, MooncakeConfig):
         config = MooncakeConfig.from_dict(

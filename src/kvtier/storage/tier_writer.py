@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ObjectCorrupt, StorageUnavailable
-from kvtier.host import HostPool
+from kvtier.memory.host import HostPool
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.format import HEADER_BYTES
 

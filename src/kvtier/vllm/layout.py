@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.segment import SegmentLayout
-from kvtier.spec import CacheDType, KVCacheSpec, KVLayout
+from kvtier.layout.spec import CacheDType, KVCacheSpec, KVLayout
+from kvtier.memory.segment import SegmentLayout
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.cpus import format_cpu_list, parse_cpu_list
+from kvtier.common.cpus import format_cpu_list, parse_cpu_list
 from kvtier.errors import ConfigError
 
 NUMA_ROOT = Path("/sys/devices/system/node")

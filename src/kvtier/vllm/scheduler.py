@@ -34,11 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client import Client
-from kvtier.config import endpoint_for
+from kvtier.engine.client import Client
 from kvtier.errors import KvtierError
 from kvtier.vllm.decide import LoadOrRecompute
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec, SaveSpec
+from kvtier.worker.config import endpoint_for
 
 log = logging.getLogger(__name__)
 

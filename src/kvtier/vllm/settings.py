@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config_sources import refuse_unknown
+from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
 
 PREFIX = "kv_connector_extra_config"
@@ -90,7 +90,7 @@ class ConnectorSettings:
                 f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"
             )
         if self.worker_cores not in ("reserved", "inherit"):
-            from kvtier.cpus import parse_cpu_list
+            from kvtier.common.cpus import parse_cpu_list
 
             parse_cpu_list(str(self.worker_cores), f"{PREFIX}.worker_cores")
         if not isinstance(self.save_generated, bool):

@@ -22,8 +22,8 @@ from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from kvtier import tasks as t
 from kvtier.errors import KvtierError
+from kvtier.transport import tasks as t
 from kvtier.vllm.events import RankEventLog
 from kvtier.vllm.metadata import REPORT_WAITING_S, KvtierMetadata, KvtierWorkerMetadata, LoadSpec
 from kvtier.vllm.stats import KvtierConnectorStats

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvtier.client import Client
-from kvtier.cpus import format_cpu_list
-from kvtier.device import DeviceCache, cache_name
+from kvtier.common.cpus import format_cpu_list
+from kvtier.engine.client import Client
+from kvtier.engine.launcher import Launch, start_workers, worker_configs
 from kvtier.errors import DeviceCacheError
-from kvtier.launcher import Launch, start_workers, worker_configs
-from kvtier.spec import Part
+from kvtier.layout.spec import Part
+from kvtier.memory.device import DeviceCache, cache_name
 from kvtier.vllm.layout import layer_order, spec_and_layout
 from kvtier.vllm.placement import for_this_rank
 from kvtier.vllm.settings import PREFIX

@@ -1,0 +1,400 @@
+"""DeviceCache: the engine's per-layer K/V/scale tensors, created, attached by name, or wrapped.
+
+Three ways to get one:
+
+- ``DeviceCache.create(spec, name)`` — the owner allocates the cache and publishes it under
+  ``name``: on CPU one named shared-memory file (a JSON header page, then the tensors, placed by
+  a ``SegmentLayout``: page-aligned by default, or the engine's own placement, e.g. every layer
+  ``layer_stride`` apart in one buffer); on CUDA dedicated allocations whose IPC handles are
+  published in a small file (``kvtier.memory.cuda_ipc``).
+- ``DeviceCache.attach(spec, name)`` — a peer process maps the published cache; the layout in the
+  header must equal ``spec`` field by field, otherwise ``LayoutMismatch`` names the fields.
+- ``DeviceCache.wrap(spec, key_caches, value_caches, ...)`` — in process, tensors the engine
+  already has (torch tensors or anything with ``__dlpack__``). ``publish(name)`` shares wrapped
+  CUDA tensors with a worker.
+
+Published files follow ``kvtier.memory.shm``: created locked (a file whose lock can be taken
+belongs to
+a dead owner: ``create`` reclaims it, ``attach`` refuses it), opened without following links and
+checked on the descriptor (regular, ours, 0600), mapped from that descriptor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
+from kvtier.layout.spec import KVCacheSpec, Part
+from kvtier.memory import shm
+from kvtier.memory.segment import (
+    HEADER_BYTES,
+    SegmentLayout,
+    check_spec,
+    cpu_views,
+    create_cpu,
+    encode_header,
+    read_header,
+)
+from kvtier.memory.shm import SegmentKind
+
+log = logging.getLogger(__name__)
+
+
+class CacheMode(str, Enum):
+    OWNER = "owner"
+    ATTACHED = "attached"
+    WRAPPED = "wrapped"
+
+
+def cache_name(instance_id: str, rank: int, device_index: int = 0) -> str:
+    """The published name of one rank's device cache: the instance id keeps engines apart."""
+    name = f"kvtier-{instance_id}-rank{rank}-dev{device_index}"
+    shm.check_name(name)
+    return name
+
+
+def check_tensor(spec: KVCacheSpec, layer: int, part: Part, t: torch.Tensor) -> None:
+    """Raise LayoutMismatch unless ``t`` is exactly the spec's tensor for (layer, part)."""
+    want_shape = spec.part_shape(part, spec.layer_num_blocks(layer))
+    where = f"layer {layer} {part.value}"
+    if tuple(t.shape) != want_shape:
+        raise LayoutMismatch(f"{where}: shape {tuple(t.shape)} != spec {want_shape}")
+    if t.dtype != spec.torch_dtype(part):
+        raise LayoutMismatch(f"{where}: dtype {t.dtype} != spec {spec.torch_dtype(part)}")
+    # Each block must be one contiguous run of bytes (blocks may be strided apart).
+    inner = t[0] if t.shape[0] else t
+    if not inner.is_contiguous():
+        raise LayoutMismatch(f"{where}: each block must be contiguous, strides {t.stride()}")
+
+
+def _as_torch(t: Any, what: str) -> torch.Tensor:
+    if isinstance(t, torch.Tensor):
+        return t
+    if hasattr(t, "__dlpack__"):
+        return torch.from_dlpack(t)
+    raise LayoutMismatch(f"{what} is a {type(t).__name__}: need a torch tensor or a DLPack tensor")
+
+
+class DeviceCache:
+    """Per-layer device tensors of one rank, addressed as ``tensor(layer, part)``.
+
+    Not thread-safe for detach/attach against concurrent copies: the worker's control path
+    stops data tasks before it sleeps or wakes.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        tensors: list[list[torch.Tensor]],
+        *,
+        mode: CacheMode,
+        name: str | None = None,
+        lock_fd: int | None = None,
+        segment: torch.Tensor | None = None,
+    ) -> None:
+        self.spec = spec
+        self.mode = mode
+        self.name = name
+        self._tensors: list[list[torch.Tensor]] | None = tensors
+        self._lock_fd = lock_fd
+        self._segment = segment  # keeps the CPU mapping alive
+        self._published_path: Path | None = None
+        self.generation = 0  # bumped on every detach/attach so users can drop cached pointers
+        self._piece_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.device = tensors[0][0].device
+
+    # ---- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        spec: KVCacheSpec,
+        name: str,
+        device: str | torch.device = "cpu",
+        layout: SegmentLayout | None = None,
+    ) -> DeviceCache:
+        """Allocate the cache, zero it, and publish it under ``name`` (this process owns it).
+
+        ``layout`` places the tensors inside a CPU segment (default: ``SegmentLayout.packed``).
+        """
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise DeviceCacheError(f"device type {dev.type!r} not supported: use cpu or cuda")
+        shm.reclaim_orphans()
+        kind = SegmentKind.CPU_CACHE if dev.type == "cpu" else SegmentKind.CUDA_HANDLES
+        path = shm.segment_path(name, kind)
+        fd = shm.create_locked(path, f"device cache {name!r}")
+        try:
+            if dev.type == "cpu":
+                tensors, segment = create_cpu(spec, fd, layout or SegmentLayout.packed(spec))
+            else:
+                tensors = [
+                    [
+                        torch.zeros(
+                            spec.part_shape(p, spec.layer_num_blocks(layer)),
+                            dtype=spec.torch_dtype(p),
+                            device=dev,
+                        )
+                        for p in spec.parts
+                    ]
+                    for layer in range(spec.total_layers)
+                ]
+                segment = None
+                _write_cuda_handles(fd, spec, tensors)
+        except BaseException:
+            shm.unlink_quietly(path)
+            os.close(fd)
+            raise
+        cache = cls(spec, tensors, mode=CacheMode.OWNER, name=name, lock_fd=fd, segment=segment)
+        cache._published_path = path
+        log.info("created device cache %s (%s, %d bytes)", name, dev, spec.device_bytes)
+        return cache
+
+    @classmethod
+    def attach(cls, spec: KVCacheSpec, name: str, device_type: str | None = None) -> DeviceCache:
+        """Map a cache that another process created or published under ``name``."""
+        path = _find_published(name, device_type)
+        tensors, segment = _attach_path(spec, name, path)
+        cache = cls(spec, tensors, mode=CacheMode.ATTACHED, name=name, segment=segment)
+        log.info("attached device cache %s (%s)", name, cache.device)
+        return cache
+
+    @classmethod
+    def wrap(
+        cls,
+        spec: KVCacheSpec,
+        key_caches: Sequence[Any],
+        value_caches: Sequence[Any] | None = None,
+        key_scales: Sequence[Any] | None = None,
+        value_scales: Sequence[Any] | None = None,
+    ) -> DeviceCache:
+        """Use tensors the engine already has: one list entry per layer (main, then extra).
+
+        With a fused K|V spec (``kv_layout="fused"``), ``key_caches`` holds the fused tensors.
+        """
+        given = {
+            Part.KEY: key_caches,
+            Part.KEY_VALUE: key_caches,
+            Part.VALUE: value_caches,
+            Part.KEY_SCALE: key_scales,
+            Part.VALUE_SCALE: value_scales,
+        }
+        for part, seq in given.items():
+            if part not in spec.parts and seq and part not in (Part.KEY, Part.KEY_VALUE):
+                raise LayoutMismatch(f"{part.value} tensors given but the spec has no {part.value}")
+            if part in spec.parts and (seq is None or len(seq) != spec.total_layers):
+                got = "none" if seq is None else str(len(seq))
+                raise LayoutMismatch(
+                    f"{part.value}: need {spec.total_layers} tensors (one per layer), got {got}"
+                )
+        tensors: list[list[torch.Tensor]] = []
+        for layer in range(spec.total_layers):
+            row = []
+            for part in spec.parts:
+                t = _as_torch(given[part][layer], f"layer {layer} {part.value}")  # type: ignore[index]
+                check_tensor(spec, layer, part, t)
+                row.append(t)
+            tensors.append(row)
+        devices = {t.device for row in tensors for t in row}
+        if len(devices) != 1:
+            raise LayoutMismatch(
+                f"all tensors must be on one device, got {sorted(map(str, devices))}"
+            )
+        return cls(spec, tensors, mode=CacheMode.WRAPPED)
+
+    def publish(self, name: str) -> None:
+        """Publish wrapped CUDA tensors so a worker can ``attach`` them by ``name``."""
+        if self.mode is not CacheMode.WRAPPED or self.device.type != "cuda":
+            raise DeviceCacheError(
+                "publish() shares wrapped CUDA tensors; on CPU create the cache with "
+                "DeviceCache.create so it lives in shared memory"
+            )
+        path = shm.segment_path(name, SegmentKind.CUDA_HANDLES)
+        fd = shm.create_locked(path, f"device cache {name!r}")
+        try:
+            _write_cuda_handles(fd, self.spec, self.tensors)
+        except BaseException:
+            shm.unlink_quietly(path)
+            os.close(fd)
+            raise
+        self.name, self._lock_fd, self._published_path = name, fd, path
+
+    # ---- access -----------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return self._tensors is not None
+
+    @property
+    def tensors(self) -> list[list[torch.Tensor]]:
+        """``tensors[layer][i]`` is the tensor of ``spec.parts[i]``."""
+        if self._tensors is None:
+            raise DeviceCacheDetached(f"device cache {self.name or '(wrapped)'} is detached")
+        return self._tensors
+
+    @property
+    def segment(self) -> torch.Tensor | None:
+        """The raw uint8 mapping of a CPU shared-memory cache (header page included), else None."""
+        return self._segment
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The data region of a CPU segment (after the header page), as uint8."""
+        if self._segment is None:
+            raise DeviceCacheError("only a CPU shared-memory cache has a data region")
+        return self._segment[HEADER_BYTES:]
+
+    def tensor(self, layer: int, part: Part) -> torch.Tensor:
+        return self.tensors[layer][self.spec.parts.index(part)]
+
+    def piece_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per (layer, part) in page-first order: base address, block stride, block bytes."""
+        if self._piece_table is None:
+            tensors = [t for row in self.tensors for t in row]
+            base = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+            stride = np.array([t.stride(0) * t.element_size() for t in tensors], dtype=np.int64)
+            size = np.array([p.size_bytes for p in self.spec.pieces], dtype=np.int64)
+            self._piece_table = (base, stride, size)
+        return self._piece_table
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Drop this process's mapping (sleep). Views taken earlier keep their memory alive."""
+        self._tensors = None
+        self._segment = None
+        self._piece_table = None
+        self.generation += 1
+
+    def reattach(self) -> None:
+        """Map the published cache again (wakeup), checking the layout against the spec."""
+        if self._tensors is not None:
+            return
+        if self.mode is CacheMode.WRAPPED and self._published_path is None:
+            raise DeviceCacheError(
+                "a wrapped cache cannot re-attach: wrap the engine's tensors again"
+            )
+        if self.name is None:
+            raise DeviceCacheError("an unnamed cache cannot re-attach")
+        path = self._published_path or _find_published(self.name, self.device.type)
+        self._tensors, self._segment = _attach_path(
+            self.spec, self.name, path, check_owner=self._lock_fd is None
+        )
+        self._piece_table = None
+        self.generation += 1
+
+    def close(self) -> None:
+        """Detach; the owner (or publisher) also unlinks its name."""
+        self.detach()
+        if self._lock_fd is not None:
+            if self._published_path is not None:
+                shm.unlink_quietly(self._published_path)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            log.info("closed device cache %s and unlinked it", self.name)
+
+    def __enter__(self) -> DeviceCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "detached"
+        return f"DeviceCache({self.name or '(wrapped)'}, {self.mode.value}, {self.device}, {state})"
+
+
+# ---- published files ------------------------------------------------------------------------
+
+
+def _find_published(name: str, device_type: str | None) -> Path:
+    """The one published file of ``name``; two kinds under one name are refused (shadowing)."""
+    kinds = {
+        "cpu": [SegmentKind.CPU_CACHE],
+        "cuda": [SegmentKind.CUDA_HANDLES],
+        None: [SegmentKind.CPU_CACHE, SegmentKind.CUDA_HANDLES],
+    }.get(device_type)
+    if kinds is None:
+        raise DeviceCacheError(f"device type {device_type!r} not supported: use cpu or cuda")
+    found = [p for p in (shm.segment_path(name, k) for k in kinds) if os.path.lexists(p)]
+    if len(found) > 1:
+        raise DeviceCacheError(
+            f"both {found[0].name} and {found[1].name} exist in {shm.SHM_DIR}: refusing to guess "
+            "which is the device cache; remove the stale one"
+        )
+    if not found:
+        raise DeviceCacheError(
+            f"no device cache named {name!r} in {shm.SHM_DIR}: start the owner first or check "
+            "the name"
+        )
+    return found[0]
+
+
+def _write_cuda_handles(fd: int, spec: KVCacheSpec, tensors: list[list[torch.Tensor]]) -> None:
+    from kvtier.memory.cuda_ipc import encode_handles
+
+    payload = encode_handles([t for row in tensors for t in row])
+    meta = {
+        "spec": spec.to_dict(),
+        "device": str(tensors[0][0].device),
+        "owner_pid": os.getpid(),
+        "handles_bytes": len(payload),
+    }
+    head = encode_header(meta)
+    os.ftruncate(fd, HEADER_BYTES + len(payload))
+    os.pwrite(fd, head, 0)
+    os.pwrite(fd, payload, HEADER_BYTES)
+
+
+MAX_HANDLES_BYTES = 1 << 20
+
+
+def _attach_path(
+    spec: KVCacheSpec, name: str, path: Path, check_owner: bool = True
+) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+    fd = shm.open_checked(path, f"device cache {name!r}")
+    try:
+        if check_owner and not shm.owner_alive(fd):
+            raise DeviceCacheError(
+                f"device cache {name!r} was left by a crashed owner; restart the owner"
+            )
+        meta = read_header(fd, path)
+        check_spec(spec, meta, name)
+        size = os.fstat(fd).st_size
+        if meta["device"] == "cpu":
+            try:
+                layout = SegmentLayout(
+                    tuple((int(o), int(s)) for o, s in meta["layout"]), int(meta["data_bytes"])
+                )
+                total = int(meta["bytes"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise DeviceCacheError(f"{path} has a malformed layout: {e}") from None
+            layout.check(spec)
+            if size < total or total < HEADER_BYTES + layout.data_bytes:
+                raise DeviceCacheError(f"{path} is truncated: {size} < {total} bytes")
+            segment = shm.map_descriptor(fd, total)
+            return cpu_views(spec, segment, layout), segment
+        length = meta.get("handles_bytes")
+        if not isinstance(length, int) or not 0 < length <= min(MAX_HANDLES_BYTES, size):
+            raise DeviceCacheError(f"{path} has a malformed handle table")
+        payload = os.pread(fd, length, HEADER_BYTES)
+    finally:
+        os.close(fd)
+    from kvtier.memory.cuda_ipc import decode_handles
+
+    flat = decode_handles(payload)
+    if len(flat) != len(spec.pieces):
+        raise LayoutMismatch(f"{path} holds {len(flat)} tensors; the spec has {len(spec.pieces)}")
+    tensors: list[list[torch.Tensor]] = [[] for _ in range(spec.total_layers)]
+    for piece, t in zip(spec.pieces, flat):
+        check_tensor(spec, piece.layer, piece.part, t)
+        tensors[piece.layer].append(t)
+    return tensors, None

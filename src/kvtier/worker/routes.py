@@ -1,0 +1,111 @@
+"""The two byte routes between device blocks and storage, chosen once per data path.
+
+- ``StagedRoute``: through the host pool's private staging ranges — a save copies device
+  blocks into the save staging (hashing while it copies) and puts them; a load gets objects into
+  the load staging and verifies each inside the host->device copy, so a block that fails never
+  reaches the device. Any device (CPU, CUDA), any backend.
+- ``DirectRoute``: a CPU cache with a backend that reads scattered (file, memory): objects are
+  written from and read straight into the device blocks' pieces (one copy instead of two) and
+  verified there; a block that fails is zeroed. No existence pass before a load: scattered reads
+  stop at the first object that is missing or fails (``StorageBackend.get_into_scattered``).
+
+Both return the leading run of blocks that are stored (saves) or verified in place (loads).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from kvtier.memory.copier import BlockCopier
+from kvtier.memory.host import HostPool
+from kvtier.storage.base import StorageBackend
+
+
+class StagedRoute:
+    name = "staged"
+
+    def __init__(
+        self,
+        copier: BlockCopier,
+        host_pool: HostPool,
+        storage: StorageBackend,
+        staging: tuple[np.ndarray, np.ndarray],
+        locks: tuple[threading.Lock, threading.Lock],
+    ) -> None:
+        self.copier, self.host_pool, self.storage = copier, host_pool, storage
+        self.save_staging, self.load_staging = staging
+        self.save_lock, self.load_lock = locks
+
+    @property
+    def load_step(self) -> int:
+        return self.load_staging.size
+
+    def loadable(self, storage_keys: list[str]) -> int:
+        """How many leading objects a load should try (one existence pass)."""
+        return self.storage.exists_prefix(storage_keys)
+
+    def put(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, int]:
+        """Store the objects of ``dev``'s blocks; (leading blocks stored, bytes written)."""
+        staging, done, moved = self.save_staging, 0, 0
+        while done < len(storage_keys):
+            chunk = slice(done, min(len(storage_keys), done + staging.size))
+            ids = staging[: chunk.stop - chunk.start]
+            with self.save_lock:
+                self.copier.swap_out(dev[chunk], ids, checksum=True)
+                blocks = [self.host_pool.block(int(i)) for i in ids]
+                ok = self.storage.put_from(
+                    storage_keys[chunk], blocks, self.host_pool.known_checksums(ids)
+                )
+            stored = leading_true(ok)
+            done += stored
+            moved += sum(ok) * self.host_pool.block_bytes
+            if stored < len(ok):
+                break
+        return done, moved
+
+    def fetch(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
+        """Into the load staging, then verified inside the host->device copy. Returns
+        (objects fetched, per fetched block: copied to the device)."""
+        ids = self.load_staging[: dev.size]
+        sums = np.zeros(ids.size, dtype=np.uint64)
+        blocks = [self.host_pool.block(int(i)) for i in ids]
+        with self.load_lock:
+            fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums))
+            self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
+            return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
+
+
+class DirectRoute:
+    name = "direct"
+    load_step = 1 << 16  # no staging to fill: a whole task per call
+
+    def __init__(self, copier: BlockCopier, storage: StorageBackend) -> None:
+        self.copier, self.storage = copier, storage
+
+    def loadable(self, storage_keys: list[str]) -> int:
+        return len(storage_keys)  # the reads stop at the first miss themselves
+
+    def put(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, int]:
+        """Each object written straight from the device block's pieces (hashed there)."""
+        ok = self.storage.put_from_scattered(
+            storage_keys, self.copier.device_pieces(dev, writable=False)
+        )
+        return leading_true(ok), sum(ok) * self.storage.payload_bytes
+
+    def fetch(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
+        """Straight into the device blocks' pieces, verified by the backend right after it
+        reads each one (a block that fails is zeroed there, counted corrupt and removed)."""
+        got = self.storage.get_into_scattered(storage_keys, self.copier.device_pieces(dev))
+        fetched = leading_true(got)
+        return fetched, np.ones(fetched, dtype=bool)
+
+
+def leading_true(flags) -> int:
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n

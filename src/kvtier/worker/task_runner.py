@@ -1,0 +1,226 @@
+"""TaskRunner: where a worker's admitted data tasks run, and how each is answered.
+
+One single-thread executor per direction (swap_out, swap_in, save, load, host_io, lookup), so
+a slow storage write never delays a swap-in; FIFO within a direction. A small swap, or a lookup
+of a store that answers from memory, whose direction is idle runs on the loop thread right
+after admission (no thread hand-off either way; FIFO holds because nothing is queued ahead).
+Save threads run at a lower priority: saves are off the engine's critical path, and on a
+machine whose cores the engine keeps busy (vLLM on CPU runs OpenMP on every core; one
+preempted thread stalls a whole parallel region) they take idle time rather than the engine's.
+
+Every task gets exactly one Result: its outcome, an error naming the cause (a ``KvtierError``
+from bad input, or an internal error, logged with its traceback: the worker goes on), or
+``cancelled`` when the worker stops before it ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvtier.errors import KvtierError
+from kvtier.layout.keys import KeyScheme
+from kvtier.transport import tasks as t
+from kvtier.transport.base import Peer
+from kvtier.worker.datapath import Outcome
+from kvtier.worker.gate import Gate
+from kvtier.worker.resources import RankResources
+from kvtier.worker.stats import TaskCounters
+
+log = logging.getLogger(__name__)
+
+# Swaps this small run on the loop thread when their direction is idle (microseconds of copying),
+# and so do lookups of a store that answers them from memory (``quick_lookups``).
+INLINE_MAX_BLOCKS = 4
+INLINE_TASKS = (t.SwapOut, t.SwapIn)
+QUIET_DIRECTIONS = (t.Direction.SWAP_OUT, t.Direction.SWAP_IN, t.Direction.LOOKUP)
+BACKGROUND_DIRECTIONS = (t.Direction.SAVE,)
+BACKGROUND_NICE = 10
+# Results that carry the blocks removed from storage since the last (``kvtier.worker.removals``).
+STORAGE_TASKS = (t.Save, t.Load, t.SaveHost, t.LoadHost)
+SAVES = (t.Save, t.SaveHost)
+
+Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
+Send = Callable[[Peer, t.Result], None]
+
+
+class TaskRunner:
+    def __init__(
+        self,
+        resources: RankResources,
+        gate: Gate,
+        counters: TaskCounters,
+        send: Send,
+        metrics: Callable[[], Any],
+        rank: int,
+    ) -> None:
+        self.resources, self.gate, self.counters = resources, gate, counters
+        self.rank = rank
+        self._send, self._metrics = send, metrics
+        self.executors = {
+            d: ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"kvtier-{d.value}",
+                initializer=_lower_priority if d in BACKGROUND_DIRECTIONS else None,
+            )
+            for d in t.Direction
+        }
+        self._lock = threading.Lock()
+        self._pending: dict[Future, Item] = {}
+        self._busy: Counter = Counter()  # per direction: submitted, not finished
+        self._queued: Counter = Counter()  # per direction: submitted, not started
+        self._inline: list[Item] = []
+        self.loop_ident = 0  # the loop thread, where small idle swaps run inline
+
+    def submit(self, item: Item) -> None:
+        """Run ``item`` (called under the gate's lock, by the loop thread or a resume)."""
+        _, task, _ = item
+        direction = t.DIRECTIONS[type(task)]
+        with self._lock:
+            busy = self._busy[direction]
+            self._busy[direction] += 1
+            self._queued[direction] += 1
+        if not busy and threading.get_ident() == self.loop_ident and self._quick(task):
+            self._inline.append(item)
+            return
+        future = self.executors[direction].submit(self._run, item)
+        with self._lock:
+            self._pending[future] = item
+        future.add_done_callback(self._forget)
+
+    def _quick(self, task: Any) -> bool:
+        """Small swaps, and lookups where the store answers from memory: microseconds."""
+        if isinstance(task, t.Lookup):
+            storage = self.resources.storage
+            return storage is not None and storage.quick_lookups
+        return isinstance(task, INLINE_TASKS) and len(task.device_block_ids) <= INLINE_MAX_BLOCKS
+
+    def run_inline(self) -> None:
+        """The small swaps admitted on the loop thread, run there now."""
+        while self._inline:
+            self._run(self._inline.pop(0))
+
+    def queue_depths(self) -> dict[str, int]:
+        """Tasks per direction submitted and not yet started."""
+        with self._lock:
+            return {d.value: self._queued[d] for d in t.Direction}
+
+    def cancel(self, item: Item, why: str) -> None:
+        peer, task, _ = item
+        cancelled = t.Result(
+            task_id=task.task_id, status=t.Status.CANCELLED, message=why, rank=self.rank
+        )
+        self._send(peer, cancelled)
+
+    def shutdown(self) -> None:
+        """Let running tasks finish; answer every queued one ``cancelled``."""
+        with self._lock:
+            queued = dict(self._pending)  # cancelled futures leave _pending as they cancel
+        for executor in self.executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+        for future, item in queued.items():
+            if future.cancelled():
+                self.cancel(item, "worker shut down before the task ran")
+                self.gate.done(item)
+        for executor in self.executors.values():
+            executor.shutdown(wait=True)
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._pending.pop(future, None)
+
+    def _run(self, item: Item) -> None:
+        peer, task, keys = item
+        direction = t.DIRECTIONS[type(task)]
+        with self._lock:
+            self._queued[direction] -= 1
+        start = time.perf_counter()
+        try:
+            outcome = self._outcome(task, keys)
+        finally:
+            with self._lock:
+                self._busy[direction] -= 1
+            self.gate.done(item)
+        seconds = time.perf_counter() - start
+        self._account(task, outcome, seconds)
+        removed, all_removed = self._removals(task, keys, outcome)
+        result = t.Result(
+            task_id=task.task_id,
+            status=outcome.status,
+            blocks=outcome.blocks,
+            count=outcome.count,
+            bytes_moved=outcome.bytes_moved,
+            seconds=seconds,
+            message=outcome.message,
+            rank=self.rank,
+            removed=removed,
+            all_removed=all_removed,
+            tiers=outcome.tiers,
+        )
+        self._send(peer, result)
+
+    def _removals(self, task: Any, keys: KeyScheme, outcome: Outcome) -> tuple[list[bytes], bool]:
+        """What a storage task's answer tells of removed blocks (``kvtier.worker.removals``): those
+        removed since the last answer, or all; and what this save stored under a version that
+        was retired while it ran."""
+        if not isinstance(task, STORAGE_TASKS):
+            return [], False
+        removed, all_removed = self.resources.removals.take()
+        if keys.version != self.resources.keys.version and isinstance(task, SAVES):
+            removed += task.block_hashes[: len(outcome.blocks)]
+        if len(removed) > t.MAX_IDS_PER_TASK:  # more than a message holds: "all", as removals
+            return [], True
+        return removed, all_removed
+
+    def _outcome(self, task: Any, keys: KeyScheme) -> Outcome:
+        try:
+            if self.resources.datapath is None:
+                raise KvtierError("the data path is closed (sleeping)")
+            return self.resources.datapath.run(task, keys)
+        except KvtierError as e:
+            self.counters.error(type(e).__name__, self._metrics())
+            return Outcome(t.Status.ERROR, message=f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug: answered, logged with its traceback, worker goes on
+            log.exception("rank %d: task %d failed", self.rank, task.task_id)
+            self.counters.error("internal", self._metrics())
+            return Outcome(t.Status.ERROR, message=f"internal error: {type(e).__name__}: {e}")
+
+    def _account(self, task: Any, outcome: Outcome, seconds: float) -> None:
+        kind = t.task_name(task)
+        self.counters.task(
+            kind,
+            outcome.status.value,
+            outcome.bytes_moved,
+            seconds,
+            self._metrics(),
+            blocks=len(outcome.blocks),
+            skipped=outcome.count,
+        )
+        # Storage transfers are logged like the old system did (block count, elapsed time);
+        # swaps and lookups, thousands a second, only at DEBUG. Numbers go to stats().
+        quiet = t.DIRECTIONS[type(task)] in QUIET_DIRECTIONS
+        log.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms",
+            self.rank,
+            kind,
+            task.task_id,
+            outcome.status.value,
+            len(outcome.blocks),
+            outcome.bytes_moved,
+            seconds * 1e3,
+        )
+
+
+def _lower_priority() -> None:
+    """Thread initializer: this thread (and threads it starts) yields to the engine's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as e:  # a container may forbid it: saves then run at normal priority
+        log.debug("could not lower the save thread's priority: %s", e)
