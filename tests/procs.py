@@ -45,31 +45,6 @@ def attach_cuda_and_checksum(spec_dict: dict, name: str) -> list[float]:
     return sums
 
 
-def store_round_trip(
-    spec_dict: dict, config: dict, put_keys: list[str], get_keys: list[str], results, done
-) -> None:
-    """In a second process: store ``put_keys``, read back ``get_keys`` (checked bytes), report,
-    and stay alive until ``done`` (Mooncake keeps objects in the segments of live clients)."""
-    from kvtier.storage import make_backend
-    from storage_contract import expected_block
-
-    spec = KVCacheSpec.from_dict(spec_dict)
-    with HostPool(spec, len(put_keys) + len(get_keys)) as pool, make_backend(spec, config) as store:
-        store.register_host_pool(pool)
-        blocks = [pool.block(i) for i in range(len(put_keys))]
-        for key, block in zip(put_keys, blocks):
-            block.copy_(expected_block(key, block.numel()))
-        put_ok = store.put_from(put_keys, blocks)
-        targets = [pool.block(len(put_keys) + i) for i in range(len(get_keys))]
-        got = store.get_into(get_keys, targets)
-        seen = [
-            ok and bool(torch.equal(b, expected_block(k, b.numel())))
-            for k, b, ok in zip(get_keys, targets, got)
-        ]
-        results.put((put_ok, seen))
-        done.wait(120)
-
-
 def client_through_a_stall(endpoints: list[str], ready, go, results) -> None:
     """A client that is stopped (SIGSTOP by the test) between two tasks: ``results`` gets the
     second task's status, or its error, and every 'lost' line this client logged."""

@@ -15,8 +15,8 @@ from conftest import require_mooncake
 from kvtier.common.config_sources import Source, merge
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
+from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 from kvtier.worker.config import env_sources
-from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,8 +15,8 @@ import pytest
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.host import HostPool
 from kvtier.storage.file import FileStore
+from kvtier.testing.contract import CONTRACT_SPEC
 from kvtier.transport import tasks as t
-from storage_contract import CONTRACT_SPEC
 from worker_helpers import FAST, engine, hashes, lone_worker_flags
 
 

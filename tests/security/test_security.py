@@ -227,9 +227,9 @@ def test_a_writer_of_the_store_cannot_forge_what_a_worker_loads(tmp_path, authen
     """Anyone who can write the store (another account of a shared store, any Mooncake client)
     can replace a payload and fix every checksum: the worker loaded it as ``ok``. With
     ``storage.mac_key_file`` it is a miss."""
+    from kvtier.testing.contract import reseal
     from kvtier.transport import auth
     from kvtier.transport.tasks import Status
-    from storage_contract import reseal
     from worker_helpers import WSPEC, block, engine, hashes
 
     root = tmp_path / "store"

@@ -10,7 +10,7 @@ from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.faults import FaultInjectingStore
-from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 
 class TestQuietFaultWrapper(StoreContract):

@@ -8,7 +8,7 @@ from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.arena import ArenaStore
 from kvtier.storage.memory import MemoryStore
-from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 
 class TestMemoryStore(StoreContract):

@@ -11,7 +11,7 @@ from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend, tier_writer, validate_storage_config
 from kvtier.storage.tiers import TieredStore
-from storage_contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 OBJECT_BYTES = CONTRACT_SPEC.block_bytes + 64
 
