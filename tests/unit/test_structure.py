@@ -85,6 +85,85 @@ def test_packages_import_only_lower_layers() -> None:
     assert wrong == [], wrong
 
 
+HEAVY = {"torch", "numpy", "zmq", "msgspec", "vllm", "mooncake", "yaml", "prometheus_client"}
+
+
+def _loaded_on_import(path: Path, known: set[str]) -> set[str]:
+    """What importing ``path`` imports: module-level statements, TYPE_CHECKING blocks excepted
+    (kvtier modules by name, anything else by its top package)."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(_named(node, known))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, field, []) if not _is_function(node) else []:
+                    visit(getattr(child, "body", [child]) if field == "handlers" else [child])
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def _is_function(node: ast.AST) -> bool:
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
+
+
+def _named(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif node.level == 0 and node.module:
+        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    else:
+        return set()
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        kvtier = {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & known
+        out |= kvtier if name.startswith("kvtier.") else {parts[0]}
+    return out
+
+
+def test_function_level_imports_avoid_a_heavy_import_or_say_why() -> None:
+    """An import inside a function is there to keep torch, ZeroMQ, vLLM, ... out of a process
+    that does not need them (``kvtier --help``, ``kvtier status``): it must spare its module a
+    heavy import that the module's own imports do not already make, or carry a ``# local:``
+    comment on the line before it saying why it is local."""
+    modules = _modules()
+    known = set(modules)
+    direct = {name: _loaded_on_import(path, known) for name, path in modules.items()}
+
+    def closure(name: str, seen: set[str]) -> set[str]:
+        if name in seen:
+            return set()
+        seen.add(name)
+        found = {name}
+        for dep in direct.get(name, ()):
+            found |= closure(dep, seen)
+        return found
+
+    def heavy(names: set[str]) -> set[str]:
+        return {m for n in names for m in closure(n, set()) if m in HEAVY}
+
+    unexplained = []
+    for name, path in modules.items():
+        lines = path.read_text().splitlines()
+        made = heavy(direct[name])
+        functions = [n for n in ast.walk(ast.parse(path.read_text())) if _is_function(n)]
+        for function in functions:
+            for node in ast.walk(function):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                if heavy(_named(node, known)) - made:
+                    continue
+                if lines[node.lineno - 2].strip().startswith("# local:"):
+                    continue
+                unexplained.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert sorted(set(unexplained)) == [], sorted(set(unexplained))
+
+
 def test_modules_classes_and_functions_are_small() -> None:
     """Modules <= 400 lines, classes <= 300, functions <= 60: the library and the benchmarks."""
     too_long = []

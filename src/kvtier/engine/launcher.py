@@ -34,6 +34,8 @@ from kvtier.engine import reaper
 from kvtier.errors import ConfigError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory import shm
+from kvtier.storage import mooncake_options
+from kvtier.storage.mooncake_setup import process_environment
 from kvtier.transport.endpoint import reclaim_endpoint
 from kvtier.worker.config import WorkerConfig, env_sources, resolve
 from kvtier.worker.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans
@@ -148,12 +150,10 @@ def _environment(config: WorkerConfig) -> dict[str, str]:
     """A worker's environment: ours without an engine's OpenMP binding (``cpu_cores`` places
     the worker), plus what Mooncake needs from the start (bind guard)."""
     env = {k: v for k, v in os.environ.items() if k not in OMP_PLACEMENT_VARIABLES}
-    from kvtier.storage import mooncake_options
 
     mooncake = mooncake_options(config.storage)
     if mooncake is None:
         return env
-    from kvtier.storage.mooncake_setup import process_environment
 
     return {**env, **process_environment(mooncake)}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kvtier.errors import DeviceCacheError
 
@@ -41,7 +42,6 @@ class HandleTable(msgspec.Struct, frozen=True):
 
 
 def encode_handles(tensors: list[torch.Tensor]) -> bytes:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     out = []
     for t in tensors:
@@ -71,7 +71,6 @@ def encode_handles(tensors: list[torch.Tensor]) -> bytes:
 
 def decode_handles(payload: bytes) -> list[torch.Tensor]:
     """Rebuild the tensors; raises DeviceCacheError on anything that is not a handle table."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
         table = msgspec.msgpack.decode(payload, type=HandleTable)

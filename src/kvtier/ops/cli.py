@@ -9,8 +9,10 @@ Ctrl-C exits 130 and SIGTERM 143, both after cleaning up.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -18,7 +20,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.common.bindguard import reexec_with
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.layout.legacy_flags import legacy_flag_parser, spec_from_legacy_args
 from kvtier.ops.cli_args import (
     COUNT,
     SIZE,
@@ -29,7 +33,13 @@ from kvtier.ops.cli_args import (
     integer,
     positive_number,
 )
+from kvtier.ops.demo_cli import add_demo
+from kvtier.ops.pd_proxy import add_pd_proxy
+from kvtier.ops.status import add_status
+from kvtier.ops.store_cli import add_store
 from kvtier.ops.table import printable
+from kvtier.storage import mooncake_options, validate_storage_config, with_memory_tier
+from kvtier.storage.mooncake_setup import process_environment
 
 BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "copy": "device<->host swap GB/s vs contiguous copy and loop",
@@ -101,7 +111,6 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         help="longest request in tokens: sizes the storage staging",
     )
     serve.add_argument("--device_id", "--device-id", dest="device_id", type=integer(0))
-    from kvtier.layout.legacy_flags import legacy_flag_parser
 
     legacy_flag_parser(serve.add_argument_group("the old engine's cache flags"), required=False)
     serve.set_defaults(func=_serve)
@@ -115,8 +124,6 @@ def _serve(args: argparse.Namespace) -> int:
     environ = {} if args.config_is_complete else os.environ  # a launcher resolved it already
     config = load_config(args.config, _serve_overrides(args), environ)
     if args.memory_tier:
-        from kvtier.storage import validate_storage_config, with_memory_tier
-
         storage = with_memory_tier(config.storage, args.memory_tier)
         validate_storage_config(storage)
         config = dataclasses.replace(config, storage=storage)
@@ -125,13 +132,9 @@ def _serve(args: argparse.Namespace) -> int:
         force=True,
         format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
     )
-    from kvtier.storage import mooncake_options
 
     mooncake = mooncake_options(config.storage)
     if mooncake is not None:  # the edge sets what Mooncake reads
-        from kvtier.common.bindguard import reexec_with
-        from kvtier.storage.mooncake_setup import process_environment
-
         reexec_with(process_environment(mooncake))  # LD_PRELOAD works only from the start
     return Worker(config).serve()
 
@@ -172,8 +175,6 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     if args.key_cache_shape:
-        from kvtier.layout.legacy_flags import spec_from_legacy_args
-
         overrides["spec"] = spec_from_legacy_args(args)
     elif args.num_layers is not None or args.value_cache_shape:
         raise ConfigError("key_cache_shape", "the old cache flags need --key_cache_shape N,H,B,D")
@@ -223,9 +224,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(name: str) -> argparse.ArgumentParser:
-    import ast
-    import importlib.util
-
+    # local: the benchmarks are their own package, loaded only for `kvtier bench`
     from kvtier_bench.options import ARGUMENTS
 
     spec = importlib.util.find_spec(f"kvtier_bench.{name}")  # its docstring, read without importing
@@ -254,10 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from kvtier.ops.demo_cli import add_demo
-    from kvtier.ops.pd_proxy import add_pd_proxy
-    from kvtier.ops.status import add_status
-    from kvtier.ops.store_cli import add_store
 
     for add in (add_demo, _add_serve, _add_bench, add_store, add_status, add_pd_proxy):
         add(sub, common)

@@ -11,6 +11,7 @@ import json
 import sys
 
 from kvtier.ops.cli_args import COUNT, SEED, SIZE, WRITE_POLICIES, DefaultsFormatter, integer
+from kvtier.ops.table import plural, size
 
 
 def add_demo(sub, common: argparse.ArgumentParser) -> None:
@@ -73,12 +74,12 @@ def add_demo(sub, common: argparse.ArgumentParser) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
+        # local: the benchmarks are their own package, loaded only for `kvtier demo --engine vllm`
         from kvtier_bench.vllm import demo
 
         return demo(as_json=args.json)
     from kvtier.ops.demo import Workload
     from kvtier.ops.demo_run import check_demo_options, print_demo, run_demo
-    from kvtier.ops.table import plural, size
 
     w = Workload.from_args(args)
     check_demo_options(args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from kvtier.common.user_dirs import open_user_directory
 from kvtier.errors import ConfigError
 from kvtier.ops.table import printable
 from kvtier.storage import describe_backend, with_memory_tier
+from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 from kvtier.worker.config import check_instance_id
 
 if TYPE_CHECKING:
@@ -65,7 +67,6 @@ def check_ranks(ranks: int) -> None:
 
 def probe_master(address: str) -> None:
     """ConfigError unless something accepts a TCP connection at ``address`` (host:port)."""
-    import socket
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -163,7 +164,6 @@ def run_demo(
 @contextlib.contextmanager
 def _local_mooncake():
     """A master and a 1 GiB storage node on loopback; the workers are pure clients."""
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 
     with LocalMaster() as master, LocalStoreNode(master, 1 << 30):
         yield {

@@ -23,11 +23,14 @@ import json
 import logging
 import sys
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.common.http_bounds import BoundedHandler, BoundedHTTPServer
+from kvtier.errors import ConfigError
+from kvtier.ops.cli_args import integer, positive_number
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +266,6 @@ def serve(
 
 def add_pd_proxy(sub: Any, common: Any) -> None:
     """``kvtier pd-proxy``'s options."""
-    from kvtier.ops.cli_args import integer, positive_number
 
     p = sub.add_parser(
         "pd-proxy",
@@ -291,7 +293,6 @@ def add_pd_proxy(sub: Any, common: Any) -> None:
 
 
 def _run_proxy(args: Any) -> int:
-    import time
 
     try:
         proxy = serve(
@@ -303,8 +304,6 @@ def _run_proxy(args: Any) -> int:
             args.max_connections,
         )
     except ValueError as e:
-        from kvtier.errors import ConfigError
-
         raise ConfigError("producer/consumer", str(e)) from None
     host, port = str(proxy.server_address[0]), proxy.server_address[1]
     print(

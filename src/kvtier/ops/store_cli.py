@@ -19,6 +19,8 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.ops.cli_args import DefaultsFormatter, byte_size, duration
 from kvtier.ops.table import age, print_table, printable, size
+from kvtier.storage.mooncake_setup import remove_matching
+from kvtier.transport.auth import read_key
 
 
 def add_store(sub, common: argparse.ArgumentParser) -> None:
@@ -170,8 +172,6 @@ def _verify(args: argparse.Namespace) -> int:
 
     mac_key = None
     if args.mac_key_file:
-        from kvtier.transport.auth import read_key
-
         mac_key = read_key(args.mac_key_file, "mac_key_file")
     objects = _scan(args.root)
     own = [o for o in objects if not o.foreign]
@@ -295,7 +295,6 @@ def _gc_mooncake(args: argparse.Namespace) -> int:
         raise ConfigError(
             "namespace", "say what to remove: --namespace, --version or --fingerprint"
         )
-    from kvtier.storage.mooncake_setup import remove_matching
 
     pattern = key_pattern(args.namespace, args.version, args.fingerprint)
     config = {"master_address": args.mooncake_master}

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError
+from kvtier.storage.file_config import FileStoreConfig
+from kvtier.storage.mooncake_setup import MooncakeConfig
+from kvtier.transport import auth
 
 if TYPE_CHECKING:
     from kvtier.layout.spec import KVCacheSpec
@@ -140,12 +143,8 @@ def validate_storage_config(config: Mapping[str, Any]) -> None:
     if mac_key_file is not None and not isinstance(mac_key_file, str):
         raise ConfigError(f"storage.{MAC_KEY_FILE}", f"must be a path, got {mac_key_file!r}")
     if kind == "file":
-        from kvtier.storage.file_config import FileStoreConfig
-
         FileStoreConfig.from_dict(options)
     elif kind == "mooncake":
-        from kvtier.storage.mooncake_setup import MooncakeConfig
-
         MooncakeConfig.from_dict(options)
     elif kind == "memory":
         _memory_options(options)
@@ -227,7 +226,6 @@ def _make_one(spec: KVCacheSpec, options: dict[str, Any], mac_key: bytes | None)
 
 def read_mac_key(path: str | None) -> bytes | None:
     """The MAC key: from ``path`` (a 0600 file of this user, hex), else from the environment."""
-    from kvtier.transport import auth
 
     field = f"storage.{MAC_KEY_FILE}"
     if path is not None:

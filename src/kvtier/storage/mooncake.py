@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.common import bindguard
 from kvtier.errors import ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
@@ -354,7 +355,6 @@ class MooncakeStore(StorageBackend):
 
 
 def _warn_if_unguarded(host: str) -> None:
-    from kvtier.common import bindguard
 
     if bindguard.library() is not None and not bindguard.active(host):
         log.warning(

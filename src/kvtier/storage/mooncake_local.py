@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -23,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.common import bindguard
 from kvtier.errors import StorageError, StorageUnavailable
-from kvtier.storage.mooncake_setup import probe
+from kvtier.storage.mooncake_setup import BIND_ADDRESS_ENV, probe
 
 _PR_SET_PDEATHSIG = 1
 LIBIBVERBS_HINT = "libibverbs.so.1 is missing: apt-get install -y libibverbs1"
@@ -63,8 +65,6 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 
 def _guarded_environment(host: str) -> dict[str, str]:
-    from kvtier.common import bindguard
-    from kvtier.storage.mooncake_setup import BIND_ADDRESS_ENV
 
     return {**os.environ, BIND_ADDRESS_ENV: host, **bindguard.environment(host)}
 
@@ -242,7 +242,6 @@ def _in_netns(netns: str | None, args: list[str]) -> list[str]:
 
 
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
-    import selectors
 
     assert process.stdout is not None
     with selectors.DefaultSelector() as sel:

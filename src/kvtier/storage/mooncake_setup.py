@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvtier.common import bindguard
 from kvtier.common.config_sources import refuse_unknown
 from kvtier.errors import ConfigError, StorageError, StorageUnavailable
 
@@ -75,7 +78,6 @@ def process_environment(config: Mapping[str, Any] | MooncakeConfig) -> dict[str,
     """The environment variables a process must have before it hosts a MooncakeStore built
     from ``config``. Set at the edge (the ``kvtier`` CLI, a launcher's child environment), never
     by the library."""
-    from kvtier.common import bindguard
 
     if not isinstance(config, MooncakeConfig):
         config = MooncakeConfig.from_dict(
@@ -105,8 +107,6 @@ def probe_setup(config: MooncakeConfig) -> None:
     ``setup_timeout_s``. Mooncake's setup holds the interpreter lock while it waits: against a
     master that accepts connections but never answers it froze the whole process for minutes,
     so it is only called here once a child has seen it return."""
-    import subprocess
-    import sys
 
     args = [
         sys.executable,
@@ -202,8 +202,6 @@ class Bounded:
 def remove_matching(config: Mapping[str, Any] | MooncakeConfig, pattern: str) -> int:
     """Remove every object whose key matches the regular expression ``pattern`` (a pure client
     in a child process, bounded by ``setup_timeout_s + call_timeout_s``); the count removed."""
-    import subprocess
-    import sys
 
     if not isinstance(config, MooncakeConfig):
         config = MooncakeConfig.from_dict(config)

@@ -17,6 +17,7 @@ import xxhash
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.layout.spec import CacheDType, KVCacheSpec
 from kvtier.memory.host import HostPool
+from kvtier.storage import make_backend
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
@@ -84,7 +85,6 @@ def store_round_trip(
 ) -> None:
     """In a second process: store ``put_keys``, read back ``get_keys`` (checked bytes), report,
     and stay alive until ``done`` (Mooncake keeps objects in the segments of live clients)."""
-    from kvtier.storage import make_backend
 
     spec = KVCacheSpec.from_dict(spec_dict)
     with HostPool(spec, len(put_keys) + len(get_keys)) as pool, make_backend(spec, config) as store:

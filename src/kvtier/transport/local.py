@@ -7,6 +7,7 @@ import queue
 import threading
 from collections.abc import Sequence
 
+from kvtier.errors import WorkerError
 from kvtier.transport.base import ClientTransport, Peer, ServerTransport
 from kvtier.transport.tasks import MAX_MESSAGE_BYTES
 
@@ -24,7 +25,6 @@ class LocalServer(ServerTransport):
         self.clients: dict[Peer, LocalClient] = {}
 
     def open(self) -> None:
-        from kvtier.errors import WorkerError
 
         with _local_lock:
             if self.endpoint in _local_servers:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
+from kvtier.errors import WorkerError
 from kvtier.transport.auth import CurveKeys
 from kvtier.transport.base import Channel, ClientTransport, Peer, ServerTransport
 from kvtier.transport.tasks import MAX_MESSAGE_BYTES
@@ -86,7 +87,6 @@ class ZmqServer(ServerTransport):
         self.zap: ZapHandler | None = None
 
     def open(self) -> None:
-        from kvtier.errors import WorkerError
 
         self.context = zmq.Context()
         self.router = configure(self.context.socket(zmq.ROUTER))

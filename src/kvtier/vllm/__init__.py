@@ -13,6 +13,7 @@ SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 
 def _check_vllm() -> None:
     try:
+        # local: a missing vLLM gets a message that says what to install
         import vllm
     except ImportError as e:
         raise ImportError(

@@ -24,8 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from kvtier.errors import ConfigError
+from kvtier.storage import describe_backend
 from kvtier.vllm.events import KvtierKVEvents, RankEventLog, TierEvents, publishing
 from kvtier.vllm.metadata import KvtierMetadata
 from kvtier.vllm.settings import ConnectorSettings, default_namespace, instance_name
@@ -81,13 +83,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 instance, world_size, block_size, self.settings, role=self.kv_role
             )
             if events:
-                from kvtier.storage import describe_backend
-
                 backend = describe_backend(self.settings.storage or {"backend": "file"})
                 self._tier_events = TierEvents(world_size, block_size, backend)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
             from kvtier.vllm.worker import WorkerSide
 
             self._worker = WorkerSide(
@@ -130,7 +128,7 @@ class KvtierConnector(KVConnectorBase_V1):
         """vLLM >= 0.34: how kvtier's worker reaches the device cache — another process, by
         legacy CUDA IPC on CUDA (the extensible KV cache is unsupported), in shared memory
         that kvtier provides on CPU."""
-        # vLLM >= 0.34 only asks this; the type checker sees the installed 0.32
+        # local: only vLLM >= 0.34 has it (and asks this); the type checker sees 0.32
         from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined]
 
         if str(getattr(kv_transfer_config, "kv_buffer_device", "cpu")) == "cpu":

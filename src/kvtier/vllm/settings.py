@@ -8,7 +8,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtier.common.config_sources import refuse_unknown
+from kvtier.common.cpus import parse_cpu_list
 from kvtier.errors import ConfigError
+from kvtier.storage import validate_storage_config
 
 PREFIX = "kv_connector_extra_config"
 KV_EVENTS = ("auto", "any_interface", "off")
@@ -71,7 +73,6 @@ class ConnectorSettings:
         return settings
 
     def check(self) -> None:
-        from kvtier.storage import validate_storage_config
 
         if self.storage is not None:
             if not isinstance(self.storage, Mapping):
@@ -90,8 +91,6 @@ class ConnectorSettings:
                 f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"
             )
         if self.worker_cores not in ("reserved", "inherit"):
-            from kvtier.common.cpus import parse_cpu_list
-
             parse_cpu_list(str(self.worker_cores), f"{PREFIX}.worker_cores")
         if not isinstance(self.save_generated, bool):
             raise ConfigError(f"{PREFIX}.save_generated", "must be true or false")

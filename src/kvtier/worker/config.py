@@ -23,9 +23,11 @@ from typing import Any
 import yaml
 
 from kvtier.common.config_sources import Source, merge, refuse_unknown
+from kvtier.common.cpus import parse_cpu_list
 from kvtier.common.user_dirs import check_parent_directory
 from kvtier.errors import ConfigError
 from kvtier.layout.spec import KVCacheSpec
+from kvtier.storage import validate_storage_config
 from kvtier.transport.base import LOCAL_SCHEME
 
 log = logging.getLogger(__name__)
@@ -158,8 +160,6 @@ class WorkerConfig:
             if self.metrics_port > 65535:
                 raise ConfigError("metrics_port", f"must be <= 65535, got {self.metrics_port}")
         if self.cpu_cores is not None:
-            from kvtier.common.cpus import parse_cpu_list
-
             parse_cpu_list(self.cpu_cores)
         if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ConfigError("device", f"got {self.device!r}; allowed: cpu, cuda, cuda:N")
@@ -168,7 +168,6 @@ class WorkerConfig:
                 "log_level", f"got {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}"
             )
         from kvtier.layout.keys import KeyScheme
-        from kvtier.storage import validate_storage_config
 
         KeyScheme(self.namespace, self.spec.fingerprint, self.rank, self.version or "")
         validate_storage_config(self.storage)

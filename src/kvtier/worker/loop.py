@@ -40,6 +40,7 @@ from kvtier.worker.config import WorkerConfig
 from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.engine_watch import EngineWatch
 from kvtier.worker.gate import Gate, Refusal, WorkerState
+from kvtier.worker.orphans import reclaim_orphans
 from kvtier.worker.peers import PeerTable
 from kvtier.worker.resources import RankResources
 from kvtier.worker.stats import TaskCounters
@@ -329,7 +330,6 @@ class Worker:
         if self.exit_code == EXIT_ENGINE_LOST:
             # The engine died without cleaning up: what it owned (its device caches, its launch
             # directory) is provably orphaned now. Remove it rather than leave it to pile up.
-            from kvtier.worker.orphans import reclaim_orphans
 
             reclaim_orphans()
         log.info("rank %d: stopped", self.rank)
