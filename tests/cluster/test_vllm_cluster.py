@@ -200,6 +200,8 @@ def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster, fi
         if _saved(c, 2 * blocks, before):
             break
         failed_saves.append([r.get("tasks", {}).get("save") for r in c.kvtier_stats()])
+        # The cause, for the next reader: what C's workers and server said of the save.
+        figures.setdefault("logs_after_each_failure", []).append(_logs(c)[-3000:])
     else:
         pytest.fail(f"C's saves failed 3 times: {failed_saves}\n{_logs(c)}")
     figures["prompts_until_saved"] = attempt + 1
