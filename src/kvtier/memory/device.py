@@ -14,9 +14,9 @@ Three ways to get one:
   CUDA tensors with a worker.
 
 Published files follow ``kvtier.memory.shm``: created locked (a file whose lock can be taken
-belongs to
-a dead owner: ``create`` reclaims it, ``attach`` refuses it), opened without following links and
-checked on the descriptor (regular, ours, 0600), mapped from that descriptor.
+belongs to a dead owner: ``create`` reclaims it, ``attach`` refuses it), opened without following
+links and checked on the descriptor (regular, ours, 0600), mapped from that descriptor
+(``kvtier.memory.published``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ import torch
 from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
 from kvtier.layout.spec import KVCacheSpec, Part
 from kvtier.memory import shm
+from kvtier.memory.published import attach_path, check_tensor, find_published, write_cuda_handles
 from kvtier.memory.segment import (
     HEADER_BYTES,
     SegmentLayout,
-    check_spec,
-    cpu_views,
     create_cpu,
-    encode_header,
-    read_header,
 )
 from kvtier.memory.shm import SegmentKind
 
@@ -59,20 +56,6 @@ def cache_name(instance_id: str, rank: int, device_index: int = 0) -> str:
     name = f"kvtier-{instance_id}-rank{rank}-dev{device_index}"
     shm.check_name(name)
     return name
-
-
-def check_tensor(spec: KVCacheSpec, layer: int, part: Part, t: torch.Tensor) -> None:
-    """Raise LayoutMismatch unless ``t`` is exactly the spec's tensor for (layer, part)."""
-    want_shape = spec.part_shape(part, spec.layer_num_blocks(layer))
-    where = f"layer {layer} {part.value}"
-    if tuple(t.shape) != want_shape:
-        raise LayoutMismatch(f"{where}: shape {tuple(t.shape)} != spec {want_shape}")
-    if t.dtype != spec.torch_dtype(part):
-        raise LayoutMismatch(f"{where}: dtype {t.dtype} != spec {spec.torch_dtype(part)}")
-    # Each block must be one contiguous run of bytes (blocks may be strided apart).
-    inner = t[0] if t.shape[0] else t
-    if not inner.is_contiguous():
-        raise LayoutMismatch(f"{where}: each block must be contiguous, strides {t.stride()}")
 
 
 def _as_torch(t: Any, what: str) -> torch.Tensor:
@@ -148,7 +131,7 @@ class DeviceCache:
                     for layer in range(spec.total_layers)
                 ]
                 segment = None
-                _write_cuda_handles(fd, spec, tensors)
+                write_cuda_handles(fd, spec, tensors)
         except BaseException:
             shm.unlink_quietly(path)
             os.close(fd)
@@ -161,8 +144,8 @@ class DeviceCache:
     @classmethod
     def attach(cls, spec: KVCacheSpec, name: str, device_type: str | None = None) -> DeviceCache:
         """Map a cache that another process created or published under ``name``."""
-        path = _find_published(name, device_type)
-        tensors, segment = _attach_path(spec, name, path)
+        path = find_published(name, device_type)
+        tensors, segment = attach_path(spec, name, path)
         cache = cls(spec, tensors, mode=CacheMode.ATTACHED, name=name, segment=segment)
         log.info("attached device cache %s (%s)", name, cache.device)
         return cache
@@ -220,7 +203,7 @@ class DeviceCache:
         path = shm.segment_path(name, SegmentKind.CUDA_HANDLES)
         fd = shm.create_locked(path, f"device cache {name!r}")
         try:
-            _write_cuda_handles(fd, self.spec, self.tensors)
+            write_cuda_handles(fd, self.spec, self.tensors)
         except BaseException:
             shm.unlink_quietly(path)
             os.close(fd)
@@ -284,8 +267,8 @@ class DeviceCache:
             )
         if self.name is None:
             raise DeviceCacheError("an unnamed cache cannot re-attach")
-        path = self._published_path or _find_published(self.name, self.device.type)
-        self._tensors, self._segment = _attach_path(
+        path = self._published_path or find_published(self.name, self.device.type)
+        self._tensors, self._segment = attach_path(
             self.spec, self.name, path, check_owner=self._lock_fd is None
         )
         self._piece_table = None
@@ -310,91 +293,3 @@ class DeviceCache:
     def __repr__(self) -> str:
         state = "attached" if self.attached else "detached"
         return f"DeviceCache({self.name or '(wrapped)'}, {self.mode.value}, {self.device}, {state})"
-
-
-# ---- published files ------------------------------------------------------------------------
-
-
-def _find_published(name: str, device_type: str | None) -> Path:
-    """The one published file of ``name``; two kinds under one name are refused (shadowing)."""
-    kinds = {
-        "cpu": [SegmentKind.CPU_CACHE],
-        "cuda": [SegmentKind.CUDA_HANDLES],
-        None: [SegmentKind.CPU_CACHE, SegmentKind.CUDA_HANDLES],
-    }.get(device_type)
-    if kinds is None:
-        raise DeviceCacheError(f"device type {device_type!r} not supported: use cpu or cuda")
-    found = [p for p in (shm.segment_path(name, k) for k in kinds) if os.path.lexists(p)]
-    if len(found) > 1:
-        raise DeviceCacheError(
-            f"both {found[0].name} and {found[1].name} exist in {shm.SHM_DIR}: refusing to guess "
-            "which is the device cache; remove the stale one"
-        )
-    if not found:
-        raise DeviceCacheError(
-            f"no device cache named {name!r} in {shm.SHM_DIR}: start the owner first or check "
-            "the name"
-        )
-    return found[0]
-
-
-def _write_cuda_handles(fd: int, spec: KVCacheSpec, tensors: list[list[torch.Tensor]]) -> None:
-    from kvtier.memory.cuda_ipc import encode_handles
-
-    payload = encode_handles([t for row in tensors for t in row])
-    meta = {
-        "spec": spec.to_dict(),
-        "device": str(tensors[0][0].device),
-        "owner_pid": os.getpid(),
-        "handles_bytes": len(payload),
-    }
-    head = encode_header(meta)
-    os.ftruncate(fd, HEADER_BYTES + len(payload))
-    os.pwrite(fd, head, 0)
-    os.pwrite(fd, payload, HEADER_BYTES)
-
-
-MAX_HANDLES_BYTES = 1 << 20
-
-
-def _attach_path(
-    spec: KVCacheSpec, name: str, path: Path, check_owner: bool = True
-) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
-    fd = shm.open_checked(path, f"device cache {name!r}")
-    try:
-        if check_owner and not shm.owner_alive(fd):
-            raise DeviceCacheError(
-                f"device cache {name!r} was left by a crashed owner; restart the owner"
-            )
-        meta = read_header(fd, path)
-        check_spec(spec, meta, name)
-        size = os.fstat(fd).st_size
-        if meta["device"] == "cpu":
-            try:
-                layout = SegmentLayout(
-                    tuple((int(o), int(s)) for o, s in meta["layout"]), int(meta["data_bytes"])
-                )
-                total = int(meta["bytes"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise DeviceCacheError(f"{path} has a malformed layout: {e}") from None
-            layout.check(spec)
-            if size < total or total < HEADER_BYTES + layout.data_bytes:
-                raise DeviceCacheError(f"{path} is truncated: {size} < {total} bytes")
-            segment = shm.map_descriptor(fd, total)
-            return cpu_views(spec, segment, layout), segment
-        length = meta.get("handles_bytes")
-        if not isinstance(length, int) or not 0 < length <= min(MAX_HANDLES_BYTES, size):
-            raise DeviceCacheError(f"{path} has a malformed handle table")
-        payload = os.pread(fd, length, HEADER_BYTES)
-    finally:
-        os.close(fd)
-    from kvtier.memory.cuda_ipc import decode_handles
-
-    flat = decode_handles(payload)
-    if len(flat) != len(spec.pieces):
-        raise LayoutMismatch(f"{path} holds {len(flat)} tensors; the spec has {len(spec.pieces)}")
-    tensors: list[list[torch.Tensor]] = [[] for _ in range(spec.total_layers)]
-    for piece, t in zip(spec.pieces, flat):
-        check_tensor(spec, piece.layer, piece.part, t)
-        tensors[piece.layer].append(t)
-    return tensors, None
