@@ -101,8 +101,7 @@ def test_master_restart_gives_unavailable_then_recovers() -> None:
 
 def test_config_from_dict_and_env() -> None:
     """KVTIER_MOONCAKE_<FIELD> variables are read at the edge (kvtier.worker.config, the CLI),
-    between
-    the YAML and the flags, as every other setting."""
+    between the YAML and the flags, as every other setting."""
     env = {
         "KVTIER_MOONCAKE_MASTER_ADDRESS": "10.0.0.1:5000",
         "KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE": "4096",

@@ -1,6 +1,5 @@
 """Direct calls (``kvtier.engine.direct``): a synchronous task on the calling thread's own
-connection,
-with real worker processes — answered exactly once, bytes right, never a hang."""
+connection, with real worker processes — answered exactly once, bytes right, never a hang."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What kvtier holds, told to routers: a worker's save and load results name the blocks its store
 evicted or a weight update retired (``kvtier.worker.removals``), and the connector turns every
-rank's
-news into vLLM's own KV events (``kvtier.vllm.events``). The real engine and vLLM's publisher
+rank's news into vLLM's own KV events (``kvtier.vllm.events``). The real engine and vLLM's publisher
 are in ``tests/engine/test_vllm.py``."""
 
 from __future__ import annotations

@@ -202,8 +202,7 @@ class Client:
 
     def _call(self, task: Any, timeout_s: float | None) -> t.Result:
         """``task``'s answer: on this thread's own connection when it can
-        (``kvtier.engine.direct``),
-        else through the I/O thread."""
+        (``kvtier.engine.direct``), else through the I/O thread."""
         task = msgspec.structs.replace(task, task_id=next(self._ids))
         deadline = time.monotonic() + (timeout_s or self.task_timeout_s)
         result = self._io.call(task, deadline)

@@ -164,9 +164,8 @@ def start_workers(
     """Write the configs and start one ``kvtier serve`` per config. On failure nothing runs.
 
     ``reaper_too``: also start a reaper (``kvtier.engine.reaper``) that removes what the launch
-    leaves
-    if this process is killed together with its workers (vLLM kills its workers' whole process
-    trees)."""
+    leaves if this process is killed together with its workers (vLLM kills its workers' whole
+    process trees)."""
     if log_dir is not None:
         try:  # the user's directory: made if missing (only the user may read the logs)
             make_user_directory(log_dir, 0o700, "log_dir")

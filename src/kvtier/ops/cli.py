@@ -73,8 +73,7 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         "variables, then these flags (flags win). The old engine's flags are accepted too.",
     )
     serve.add_argument("--config", help="YAML file with worker settings (see docs/operating.md)")
-    # Set by kvtier.engine.launcher: its YAML is the whole resolved config; the environment was
-    # read.
+    # Set by kvtier.engine.launcher: its YAML is the whole resolved config (environment read).
     serve.add_argument("--config-is-complete", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--rank", type=integer(0))
     serve.add_argument("--world-size", "--mp_num", dest="world_size", type=COUNT)

@@ -20,12 +20,11 @@ high-water marks are raised deliberately (pipelining past the default 1000 made 
 replies silently in the design we replace) and both sides bound their windows far below them.
 
 Authentication (``tcp://``, see ``kvtier.transport.auth``): given ``CurveKeys``, the worker's
-ROUTER is a
-CURVE server whose ZAP handler (served on the worker's loop thread) admits only the instance's
-client key, and each client DEALER pins the worker's server key. A peer that cannot complete
-the handshake exchanges no application frame with us; before it fails, it can make libzmq
-buffer at most one message of ``MAX_MESSAGE_BYTES``, for at most ``HANDSHAKE_IVL_MS``. The
-client counts failed handshakes per rank (``failed_handshakes``): a peer that answers on the
+ROUTER is a CURVE server whose ZAP handler (served on the worker's loop thread) admits only the
+instance's client key, and each client DEALER pins the worker's server key. A peer that cannot
+complete the handshake exchanges no application frame with us; before it fails, it can make
+libzmq buffer at most one message of ``MAX_MESSAGE_BYTES``, for at most ``HANDSHAKE_IVL_MS``.
+The client counts failed handshakes per rank (``failed_handshakes``): a peer that answers on the
 port but cannot prove it holds the secret is a worker with another secret or an impostor.
 """
 

@@ -2,9 +2,8 @@
 
 Every data task carries a ``task_id`` and is answered exactly once with a ``Result``. Storage
 tasks name blocks by their chained block hashes (``kvtier.layout.keys.block_hashes``, or an
-engine's own
-hashes of 16..64 bytes); the worker turns them into storage keys with its own namespace, weight
-version, layout fingerprint and rank.
+engine's own hashes of 16..64 bytes); the worker turns them into storage keys with its own
+namespace, weight version, layout fingerprint and rank.
 
 Messages are built by keyword (``SwapOut(device_block_ids=[1], host_block_ids=[0])``); the
 client assigns ``task_id`` when it submits. Every field has a bounded, shallow type: a decoded
