@@ -170,6 +170,28 @@ def test_a_prefix_with_bad_objects_is_whole_after_one_save_on_either_route(datap
     assert hole.blocks == [20, 21] and path.storage.read_object(keys.keys(h[3:4])[0])
 
 
+def test_a_save_and_a_load_check_their_device_ids_once_on_either_route(datapath) -> None:
+    """The data path checks a task's ids once; the route's copies and pieces trust them (a
+    load of 5 blocks through 2 staging blocks used to check them again at every step)."""
+    from unittest import mock
+
+    import kvtier.memory.copier as copier_module
+
+    path, _, keys = datapath
+    h = hashes(5)
+    with mock.patch.object(
+        copier_module, "check_block_ids", wraps=copier_module.check_block_ids
+    ) as checks:
+        path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+        assert checks.call_count == 1
+        checks.reset_mock()
+        loaded = path.run(t.Load(block_hashes=h, device_block_ids=[30, 31, 32, 33, 34]), keys)
+        assert loaded.blocks == [30, 31, 32, 33, 34]
+        assert checks.call_count == 1
+    with pytest.raises(InvalidBlockIds, match="appears twice"):  # and that one check holds
+        path.run(t.Load(block_hashes=h[:2], device_block_ids=[30, 30]), keys)
+
+
 def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:
     path, _, keys = datapath
     with pytest.raises(InvalidBlockIds, match="host block id 8 out of range 0..7"):

@@ -53,7 +53,7 @@ class StagedRoute:
             chunk = slice(done, min(len(storage_keys), done + staging.size))
             ids = staging[: chunk.stop - chunk.start]
             with self.save_lock:
-                self.copier.swap_out(dev[chunk], ids, checksum=True)
+                self.copier.swap_out(dev[chunk], ids, checksum=True, checked=True)
                 blocks = [self.host_pool.block(int(i)) for i in ids]
                 ok = self.storage.put_from(
                     storage_keys[chunk], blocks, self.host_pool.known_checksums(ids)
@@ -74,7 +74,7 @@ class StagedRoute:
         with self.load_lock:
             fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums))
             self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
-            return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched])
+            return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched], checked=True)
 
 
 class DirectRoute:
@@ -90,14 +90,15 @@ class DirectRoute:
     def put(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, int]:
         """Each object written straight from the device block's pieces (hashed there)."""
         ok = self.storage.put_from_scattered(
-            storage_keys, self.copier.device_pieces(dev, writable=False)
+            storage_keys, self.copier.device_pieces(dev, writable=False, checked=True)
         )
         return leading_true(ok), sum(ok) * self.storage.payload_bytes
 
     def fetch(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
         """Straight into the device blocks' pieces, verified by the backend right after it
         reads each one (a block that fails is zeroed there, counted corrupt and removed)."""
-        got = self.storage.get_into_scattered(storage_keys, self.copier.device_pieces(dev))
+        pieces = self.copier.device_pieces(dev, checked=True)
+        got = self.storage.get_into_scattered(storage_keys, pieces)
         fetched = leading_true(got)
         return fetched, np.ones(fetched, dtype=bool)
 
