@@ -175,7 +175,7 @@ def test_a_save_and_a_load_check_their_device_ids_once_on_either_route(datapath)
     load of 5 blocks through 2 staging blocks used to check them again at every step)."""
     from unittest import mock
 
-    import kvtier.memory.copier as copier_module
+    import kvtier.memory.copier_base as copier_module
 
     path, _, keys = datapath
     h = hashes(5)
