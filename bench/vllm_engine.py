@@ -69,8 +69,8 @@ def prompt_set(n: int, tokens: int, shared: int) -> list[list[int]]:
 
 def engine(args: dict):
     """An offline ``LLM`` of ``args["model"]``: with the kvtier connector unless ``kvtier`` is
-    false (``storage``, ``instance``, ``load_mode``, ``log_dir``, ``kv_events``: vLLM's KV-events
-    endpoint); ``tp`` ranks, in this
+    false (``storage``, ``instance``, ``load_mode``, ``load_or_recompute``, ``log_dir``,
+    ``kv_events``: vLLM's KV-events endpoint); ``tp`` ranks, in this
     process (``uni``, the default) or vLLM's worker processes; ``kv_bytes`` of KV cache."""
     from vllm import LLM
 
@@ -93,6 +93,7 @@ def engine(args: dict):
             "storage": args["storage"],
             "instance_id": args["instance"],
             "load_mode": args.get("load_mode", "async"),
+            "load_or_recompute": args.get("load_or_recompute", True),
         }
         if args.get("log_dir"):
             extra["log_dir"] = args["log_dir"]

@@ -61,7 +61,12 @@ def cluster(model, tmp_path_factory):
                 engines[name] = Server(
                     model,
                     root / name,
-                    kvtier={"storage": storage, "namespace": "cluster-model"},
+                    kvtier={
+                        "storage": storage,
+                        "namespace": "cluster-model",
+                        # bytes, not policy: every stored prefix is loaded (see tests/vllm_engine)
+                        "load_or_recompute": False,
+                    },
                     host=net.addresses[name],
                     netns=net.names[name],
                     tensor_parallel=2 if name == "c" else 1,

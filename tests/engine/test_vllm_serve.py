@@ -25,6 +25,9 @@ import pytest
 from kvtier.ops import pd_proxy
 from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server
 
+# These servers check kvtier's bytes, not its policy: every stored prefix is loaded (on this test
+# model a prefill costs milliseconds, and on a busy machine the decision rightly declines loads).
+BYTES_NOT_POLICY = {"load_or_recompute": False}
 PREFIX = list(range(3, 515))  # 512 shared tokens: 4 full blocks of 128
 PROMPTS = [PREFIX + [600 + 7 * i + j % 5 for j in range(100)] for i in range(3)]
 
@@ -35,7 +38,7 @@ def servers(model, tmp_path_factory):
 
     def kvtier(name: str) -> Server:
         store = {"backend": "file", "root": str(root / f"store-{name}")}
-        return Server(model, root / name, kvtier={"storage": store})
+        return Server(model, root / name, kvtier={"storage": store, **BYTES_NOT_POLICY})
 
     shared = {"backend": "file", "root": str(root / "store-pd")}
     ctrl_c = kvtier("ctrl_c")
@@ -44,8 +47,12 @@ def servers(model, tmp_path_factory):
         "ctrl_c": ctrl_c,
         # a second kv_both server on ctrl_c's store: vllm-router in front of the two
         "second": Server(model, root / "second", kvtier=ctrl_c.kvtier),
-        "producer": Server(model, root / "producer", kvtier={"storage": shared}),
-        "consumer": Server(model, root / "consumer", kvtier={"storage": shared}),
+        "producer": Server(
+            model, root / "producer", kvtier={"storage": shared, **BYTES_NOT_POLICY}
+        ),
+        "consumer": Server(
+            model, root / "consumer", kvtier={"storage": shared, **BYTES_NOT_POLICY}
+        ),
     }
     started["producer"].kv_role = "kv_producer"
     started["consumer"].kv_role = "kv_consumer"

@@ -23,22 +23,22 @@ time is loaded: with ``[memory, slow store]`` the part in memory is loaded and t
 recomputed. Until the engine and every tier a prefix touches have ``MIN_SAMPLES`` samples the
 whole prefix is loaded (that is how the rates are learnt).
 
-A slow first tier is noticed before its first answer: a save still unanswered after ``t``
-seconds (the vLLM worker sides report their oldest each step) puts a floor under the first
-tier's rate, ``t / blocks`` per block, until it is answered — unless loads of it were measured
-within ``STALE_S`` (saves queue apart from loads: a backlog of saves is no slow load).
-
-An estimate must follow a store that recovers, though a declined tier is no longer loaded from:
-- saves (to the first tier) count as its samples while no load of it was measured for
-  ``STALE_S``;
-- a lower tier whose estimate is older than ``PROBE_S`` gets one load through (a probe).
+Only loads are samples of a tier's load rate. Saves run on their own (niced) thread and queue
+behind each other: on a busy machine a fast store's saves wait while its loads are quick, so a
+save's time says nothing of a load's (an engine test declined every hit of a fresh engine when
+saves were samples). An estimate must still follow a store that recovers though a declined tier
+is no longer loaded from: a tier whose estimate is older than ``PROBE_S`` gets one load through
+(a probe; one request pays).
 
 **Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
 either. Its save would be worth nothing (the next hit on it would be declined) and would cost
 the engine: a request keeps its vLLM blocks until its saves are written, so slow saves fill
-the KV cache and later requests queue for space. One such save per ``STALE_S`` still goes out,
-as a probe: its time keeps the estimate current, so a store that recovers is used again (none
-while a save is still unanswered: that one is the probe).
+the KV cache and later requests queue for space. For this decision alone, a save still
+unanswered after ``t`` seconds (the vLLM worker sides report their oldest each step, once it is
+``REPORT_WAITING_S`` old) puts a floor under the first tier's rate, ``t / blocks`` per block,
+until it is answered — unless loads of it were measured within ``STALE_S``: a slow store is
+noticed before its first answer, and saves stop piling up behind it. One declined save per
+``STALE_S`` still goes out as a probe (none while a save is still unanswered: that one is).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from collections.abc import Sequence
 KEEP = 0.8  # the weight of the samples before each new one: a sample counts ~5 samples long
 MIN_SAMPLES = 2  # the first loads of a slow store must not be paid for to learn it
 STALE_S = 2.0
-PROBE_S = 30.0  # a declined lower tier is tried again this often (one request pays)
+PROBE_S = 30.0  # a declined tier is tried again this often (one request pays)
 FLOOR_S = 1.0  # a waiting save's floor holds this long unless reported again (every step)
 MIN_STEP_TOKENS = 64
 MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
@@ -129,14 +129,9 @@ class LoadOrRecompute:
                 others += self.tiers[i].coefficients()[1] * counts[i]
         self._fit(slowest).add(counts[slowest], max(0.0, seconds - others))
 
-    def saved(self, blocks: int, seconds: float) -> None:
-        """A save (into the first tier) took ``seconds``: a sample while loads are stale."""
-        if blocks > 0 and time.monotonic() - self._first_tier_loaded_at > STALE_S:
-            self.store.add(blocks, seconds)
-
     def waiting(self, blocks: int, seconds: float) -> None:
         """A save of ``blocks`` is unanswered after ``seconds``: the first tier is at least
-        that slow (a floor under its rate, until it is answered)."""
+        that slow (a floor under its rate for the save decision, until it is answered)."""
         if blocks > 0:
             now = time.monotonic()
             floor = self._floor if now - self._floor_at <= FLOOR_S else 0.0
@@ -174,6 +169,11 @@ class LoadOrRecompute:
     def blocks_to_load(self, found: int, tiers: bytes = b"", now: float | None = None) -> int:
         """Of ``found`` stored blocks (``tiers``: each one's tier, empty: all the first), how
         many leading ones to load."""
+        return self._worth(found, tiers, now, floor=0.0, probe=True)
+
+    def _worth(self, found: int, tiers: bytes, now: float | None, floor: float, probe: bool) -> int:
+        """``blocks_to_load``, with ``floor`` seconds per block under the first tier's rate;
+        ``probe``: a declined tier due for a probe is loaded (and its probe taken)."""
         if not self.enabled or found <= 0 or self.engine.samples < MIN_SAMPLES:
             return found
         per_token = self.engine.coefficients()[1] * self.block_size
@@ -184,20 +184,22 @@ class LoadOrRecompute:
             counts[level] += 1
             if k < found and levels[k] == level:
                 continue  # only prefixes that end where a run of one tier ends
-            load_s = self._load_s(counts)
+            load_s = self._load_s(counts, floor)
             if load_s is None:
                 return found  # a tier not measured yet: learn it
             recompute_s = per_token * k
             if load_s < max(recompute_s, MIN_DECLINE_S) and recompute_s - load_s >= best_gain:
                 best, best_gain = k, recompute_s - load_s
-        return best if best == found else self._probe(found, levels, best, now)
+        if best == found or not probe:
+            return best
+        return self._probe(found, levels, best, now)
 
-    def _load_s(self, counts: list[int]) -> float | None:
+    def _load_s(self, counts: list[int], first_floor: float) -> float | None:
         fixed, per_block = 0.0, 0.0
         for i, n in enumerate(counts):
             if not n:
                 continue
-            floor = self._floor_now() if i == 0 else 0.0
+            floor = first_floor if i == 0 else 0.0
             if i < len(self.tiers) and self.tiers[i].samples >= MIN_SAMPLES:
                 a, b = self.tiers[i].coefficients()
             elif floor:
@@ -208,9 +210,9 @@ class LoadOrRecompute:
         return fixed + per_block
 
     def _probe(self, found: int, levels: bytes, best: int, now: float | None) -> int:
-        """``best``, or ``found`` when a declined lower tier is due for a probe."""
+        """``best``, or ``found`` when a declined tier is due for a probe."""
         now = time.monotonic() if now is None else now
-        for level in sorted(set(levels[best:]) - {0}):
+        for level in sorted(set(levels[best:])):
             fit = self.tiers[level]
             if now - max(fit.at, self._probed_at.get(level, float("-inf"))) >= PROBE_S:
                 self._probed_at[level] = now
@@ -220,10 +222,11 @@ class LoadOrRecompute:
     def worth_saving(self, blocks: int, now: float | None = None) -> bool:
         """Save a prefix of ``blocks`` blocks (into the first tier)? Yes unless its load would
         be declined; then no, but for one probe per ``STALE_S`` (module docstring)."""
-        if blocks <= 0 or self.blocks_to_load(blocks, now=now) > 0:
+        floor = self._floor_now()
+        if blocks <= 0 or self._worth(blocks, b"", now, floor, probe=False) > 0:
             return True
         now = time.monotonic() if now is None else now
-        if now - self._last_probe_at < STALE_S or self._floor_now():
+        if now - self._last_probe_at < STALE_S or floor:
             return False
         self._last_probe_at = now
         return True

@@ -9,7 +9,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-REPORT_WAITING_S = 0.05  # a save unanswered this long is reported each step (decide's floor)
+# A save unanswered this long is reported each step (decide's floor under saves): longer than a
+# busy machine keeps a fast store's save waiting (saves run niced), shorter than a slow store.
+REPORT_WAITING_S = 0.5
 
 
 @dataclass
@@ -51,15 +53,13 @@ class KvtierMetadata(KVConnectorMetadata):
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """Hashes whose load failed (missing, corrupt): the scheduler saves them again. And the
-    transfers answered since the last step, ``(blocks, seconds from submission)``, a load's
-    blocks counted per tier: the scheduler's load-or-recompute estimates
-    (``kvtier.vllm.decide``). ``waiting_saves``: ``(blocks, seconds so far)`` of a rank's
-    oldest save still unanswered, once it is older than ``REPORT_WAITING_S``: a slow store is
-    noticed while its first save is still on its way."""
+    loads answered since the last step, ``(blocks per tier, seconds from submission)``: the
+    scheduler's load-or-recompute estimates (``kvtier.vllm.decide``). ``waiting_saves``:
+    ``(blocks, seconds so far)`` of a rank's oldest save still unanswered, once it is older
+    than ``REPORT_WAITING_S``: a slow store is noticed while its first save is on its way."""
 
     failed_hashes: set[bytes] = field(default_factory=set)
     load_times: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
-    save_times: list[tuple[int, float]] = field(default_factory=list)
     waiting_saves: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -67,7 +67,6 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
             return KvtierWorkerMetadata(
                 self.failed_hashes | other.failed_hashes,
                 self.load_times + other.load_times,
-                self.save_times + other.save_times,
                 self.waiting_saves + other.waiting_saves,
             )
         return self

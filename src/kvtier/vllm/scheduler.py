@@ -267,8 +267,6 @@ class SchedulerSide:
         if isinstance(meta, KvtierWorkerMetadata):
             for per_tier, seconds in meta.load_times:
                 self.decide.loaded(per_tier, seconds)
-            for n, seconds in meta.save_times:
-                self.decide.saved(n, seconds)
             for n, seconds in meta.waiting_saves:
                 self.decide.waiting(n, seconds)
             for h in meta.failed_hashes:  # gone from storage: save it again when computed

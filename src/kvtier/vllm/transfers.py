@@ -47,7 +47,7 @@ class StepTransfers:
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_hashes: set[bytes] = set()
-        self._times: tuple[list, list] = ([], [])  # loads, saves: (blocks, seconds)
+        self._load_times: list = []  # (blocks per tier, seconds)
         self._unanswered: dict[Future, tuple[int, float]] = {}  # saves: blocks, submitted at
         self.events: RankEventLog | None = None  # set where kvtier's KV events are published
 
@@ -81,7 +81,6 @@ class StepTransfers:
         future = self._submit(task)
         with self._stats_lock:  # _account_save, called once it is answered, takes it out
             self._unanswered[future] = (len(task.block_hashes), _now())
-        _time(future)
         self._count(save_tasks=1)
         hashes = task.block_hashes
         future.add_done_callback(lambda f: self._account_save(f, hashes))  # when answered
@@ -138,14 +137,14 @@ class StepTransfers:
         """Block hashes that failed to load (the scheduler side saves them again) and the
         transfers' times (its load-or-recompute estimates)."""
         with self._stats_lock:
-            (loads, saves), self._times = self._times, ([], [])
+            loads, self._load_times = self._load_times, []
             oldest = min(self._unanswered.values(), key=lambda v: v[1], default=None)
         waiting = []
         if oldest is not None and _now() - oldest[1] >= REPORT_WAITING_S:
             waiting.append((oldest[0], _now() - oldest[1]))
-        if not (self._failed_hashes or loads or saves or waiting):
+        if not (self._failed_hashes or loads or waiting):
             return None
-        meta = KvtierWorkerMetadata(self._failed_hashes, loads, saves, waiting)
+        meta = KvtierWorkerMetadata(self._failed_hashes, loads, waiting)
         self._failed_hashes = set()
         return meta
 
@@ -173,7 +172,7 @@ class StepTransfers:
             loaded = len(result.blocks)
             self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
             if loaded == len(spec.block_ids):  # a full load: a sample of the store's speed
-                self._note_time(0, future, spec.per_tier())
+                self._note_time(future, spec.per_tier())
             for tier, n in enumerate(spec.per_tier(loaded)):  # one backend: tier 0
                 if n:
                     self._count(**{f"tier{tier}_loaded_tokens": n * self.block_size})
@@ -200,16 +199,14 @@ class StepTransfers:
             )
             if result.status is not t.Status.OK:
                 self._count(save_failures=1)
-            else:
-                self._note_time(1, future, len(result.blocks) - result.count)
         except Exception:
             self._count(save_failures=1)
 
-    def _note_time(self, direction: int, future: Future, blocks: int | tuple[int, ...]) -> None:
+    def _note_time(self, future: Future, blocks: tuple[int, ...]) -> None:
         started, done = getattr(future, "kvtier_times", (None, None))
         if started is not None and done is not None:
             with self._stats_lock:
-                self._times[direction].append((blocks, done - started))
+                self._load_times.append((blocks, done - started))
 
     def _note_events(self, result: t.Result, stored: list[bytes] | None = None) -> None:
         if self.events is not None:
