@@ -175,7 +175,8 @@ def test_engine_b_hits_what_engine_a_computed(cluster) -> None:
     saves_before = a.kvtier_stats()
     reference = [a.complete(p) for p in PROMPTS]  # misses: vLLM computed these, kvtier saved
     full = sum((len(p) - 1) // BLOCK for p in PROMPTS)  # blocks a hit can cover
-    assert _saved(a, full, saves_before)  # A's saves land off its critical path; B looks next
+    # A's saves land off its critical path; B looks next. A failed save says why in the logs.
+    assert _saved(a, full, saves_before), f"{_saves(a.kvtier_stats())}\n{_logs(a)}"
     before = b.metrics()
     assert [b.complete(p) for p in PROMPTS] == reference
     moved = _moved(b, before)
