@@ -162,24 +162,21 @@ def test_a_declined_lower_tier_is_probed_once_per_probe_period() -> None:
     assert d.blocks_to_load(20, levels, now=now + decide.PROBE_S + 1) == 10
 
 
-def test_a_save_still_unanswered_stops_further_saves_but_never_declines_a_load(
-    monkeypatch,
-) -> None:
-    """No transfer answered yet; a save of 14 blocks has waited 1 s: no further save is sent
-    (that one is the probe) until the floor lapses or loads say more — and loads are taken all
-    the while (saves queue on their own, niced: on a busy machine a fast store's saves wait)."""
+def test_a_save_still_unanswered_shows_a_slow_store_before_any_answer(monkeypatch) -> None:
+    """No load answered yet; a save of 14 blocks has waited 1 s: loads of the first tier are
+    declined at once and no further save is sent (that one is the probe), until the floor
+    lapses or loads say more (saves queue on their own: a backlog of saves is no slow load)."""
     clock = [0.0]
     monkeypatch.setattr(decide.time, "monotonic", lambda: clock[0])
     d = LoadOrRecompute(BS)
     _engine(d, 1e-3)  # 16 ms per block
     assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
     d.waiting(14, 0.01)  # 0.7 ms per block so far: nothing known against it
-    assert d.worth_saving(14)
+    assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
     d.waiting(14, 1.0)  # 71 ms per block at least
-    assert not d.worth_saving(14)
-    assert d.blocks_to_load(14) == 14  # a load is no save
+    assert d.blocks_to_load(14) == 0 and not d.worth_saving(14)
     clock[0] += decide.FLOOR_S + 0.1  # answered meanwhile (no longer reported)
-    assert d.worth_saving(14)
+    assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
     for n in (4, 8):
         d.loaded(n, 0.001 * n)  # loads answered quickly: a backlog of saves says nothing
     d.waiting(14, 5.0)

@@ -30,15 +30,17 @@ saves were samples). An estimate must still follow a store that recovers though 
 is no longer loaded from: a tier whose estimate is older than ``PROBE_S`` gets one load through
 (a probe; one request pays).
 
+A slow first tier is noticed before its first answer: a save still unanswered after ``t``
+seconds (the vLLM worker sides report their oldest each step, once it is ``REPORT_WAITING_S``
+old: longer than a busy machine keeps a fast store's save waiting) puts a floor under the first
+tier's rate, ``t / blocks`` per block, until it is answered — unless loads of it were measured
+within ``STALE_S`` (they say more).
+
 **Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
 either. Its save would be worth nothing (the next hit on it would be declined) and would cost
 the engine: a request keeps its vLLM blocks until its saves are written, so slow saves fill
-the KV cache and later requests queue for space. For this decision alone, a save still
-unanswered after ``t`` seconds (the vLLM worker sides report their oldest each step, once it is
-``REPORT_WAITING_S`` old) puts a floor under the first tier's rate, ``t / blocks`` per block,
-until it is answered — unless loads of it were measured within ``STALE_S``: a slow store is
-noticed before its first answer, and saves stop piling up behind it. One declined save per
-``STALE_S`` still goes out as a probe (none while a save is still unanswered: that one is).
+the KV cache and later requests queue for space. One declined save per ``STALE_S`` still goes
+out as a probe (none while a save is still unanswered: that one is).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class LoadOrRecompute:
 
     def waiting(self, blocks: int, seconds: float) -> None:
         """A save of ``blocks`` is unanswered after ``seconds``: the first tier is at least
-        that slow (a floor under its rate for the save decision, until it is answered)."""
+        that slow (a floor under its rate, until it is answered)."""
         if blocks > 0:
             now = time.monotonic()
             floor = self._floor if now - self._floor_at <= FLOOR_S else 0.0
@@ -169,7 +171,7 @@ class LoadOrRecompute:
     def blocks_to_load(self, found: int, tiers: bytes = b"", now: float | None = None) -> int:
         """Of ``found`` stored blocks (``tiers``: each one's tier, empty: all the first), how
         many leading ones to load."""
-        return self._worth(found, tiers, now, floor=0.0, probe=True)
+        return self._worth(found, tiers, now, floor=self._floor_now(), probe=True)
 
     def _worth(self, found: int, tiers: bytes, now: float | None, floor: float, probe: bool) -> int:
         """``blocks_to_load``, with ``floor`` seconds per block under the first tier's rate;
@@ -214,6 +216,8 @@ class LoadOrRecompute:
         now = time.monotonic() if now is None else now
         for level in sorted(set(levels[best:])):
             fit = self.tiers[level]
+            if fit.samples < MIN_SAMPLES:
+                continue  # declined on a waiting save's floor: that save is the probe
             if now - max(fit.at, self._probed_at.get(level, float("-inf"))) >= PROBE_S:
                 self._probed_at[level] = now
                 return found
