@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
-from kvtier.storage import make_backend, tier_writer, validate_storage_config
+from kvtier.storage import make_backend, parse_storage, tier_writer
 from kvtier.storage.tiers import TieredStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
@@ -191,7 +191,7 @@ def test_every_tier_down_is_unavailable(tmp_path, pool):
 )
 def test_chain_configuration_errors_name_the_field(storage, field) -> None:
     with pytest.raises(ConfigError) as error:
-        validate_storage_config(storage)
+        parse_storage(storage)
     assert error.value.field == field
 
 

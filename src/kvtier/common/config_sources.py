@@ -30,6 +30,14 @@ def refuse_unknown(
         )
 
 
+def positive(field: str, value: Any, *, integer: bool = False) -> None:
+    """ConfigError naming ``field`` unless ``value`` is a number > 0 (an integer if asked)."""
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        what = "a positive integer" if integer else "a positive number"
+        raise ConfigError(field, f"must be {what}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Source:
     """Settings from one place (``when_backend``: only where the storage is that backend).

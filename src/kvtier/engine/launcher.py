@@ -34,7 +34,7 @@ from kvtier.engine import reaper
 from kvtier.errors import ConfigError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory import shm
-from kvtier.storage import mooncake_options
+from kvtier.storage import mooncake_config
 from kvtier.storage.mooncake_setup import process_environment
 from kvtier.transport.endpoint import reclaim_endpoint
 from kvtier.worker.config import WorkerConfig, env_sources, resolve
@@ -151,7 +151,7 @@ def _environment(config: WorkerConfig) -> dict[str, str]:
     the worker), plus what Mooncake needs from the start (bind guard)."""
     env = {k: v for k, v in os.environ.items() if k not in OMP_PLACEMENT_VARIABLES}
 
-    mooncake = mooncake_options(config.storage)
+    mooncake = mooncake_config(config.storage_config)
     if mooncake is None:
         return env
 

@@ -38,7 +38,7 @@ from kvtier.ops.pd_proxy import add_pd_proxy
 from kvtier.ops.status import add_status
 from kvtier.ops.store_cli import add_store
 from kvtier.ops.table import printable
-from kvtier.storage import mooncake_options, validate_storage_config, with_memory_tier
+from kvtier.storage import mooncake_config, with_memory_tier
 from kvtier.storage.mooncake_setup import process_environment
 
 BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
@@ -124,15 +124,14 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, _serve_overrides(args), environ)
     if args.memory_tier:
         storage = with_memory_tier(config.storage, args.memory_tier)
-        validate_storage_config(storage)
-        config = dataclasses.replace(config, storage=storage)
+        config = dataclasses.replace(config, storage=storage)  # parsed (checked) again
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper()),
         force=True,
         format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
     )
 
-    mooncake = mooncake_options(config.storage)
+    mooncake = mooncake_config(config.storage_config)
     if mooncake is not None:  # the edge sets what Mooncake reads
         reexec_with(process_environment(mooncake))  # LD_PRELOAD works only from the start
     return Worker(config).serve()

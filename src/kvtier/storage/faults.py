@@ -13,44 +13,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.common.config_sources import refuse_unknown
-from kvtier.errors import ConfigError, StorageUnavailable
+from kvtier.errors import StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageUsage
-
-
-@dataclass(frozen=True)
-class FaultConfig:
-    latency_s: float = 0.0  # added to every call
-    # Added to every read and write of objects, not to lookups: a slow transfer path (a
-    # congested link, a disk busy with others) in front of a quick index.
-    transfer_latency_s: float = 0.0
-    error_rate: float = 0.0  # per key: a put is not stored / a get reports a miss
-    corrupt_rate: float = 0.0  # per stored object: one random bit flipped after the put
-    unavailable_after_s: float | None = None  # outage window, seconds after start
-    unavailable_for_s: float = 0.0
-    # An outage for as long as this file exists (only its existence is looked at): an operator
-    # or a test starts and ends it exactly, whatever the clock and the machine's load.
-    unavailable_while: str | None = None
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("error_rate", "corrupt_rate"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"storage.faults.{name}", f"must be in [0, 1], got {value!r}")
-        for name in ("latency_s", "transfer_latency_s", "unavailable_for_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"storage.faults.{name}", "must be >= 0")
-        if self.unavailable_while is not None and not isinstance(self.unavailable_while, str):
-            raise ConfigError("storage.faults.unavailable_while", "must be a file path")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FaultConfig:
-        refuse_unknown(data, (f.name for f in fields(cls)), "storage.faults.", "fault option")
-        return cls(**dict(data))
+from kvtier.storage.config import FaultConfig
 
 
 class FaultInjectingStore(StorageBackend):

@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from kvtier.common.config_sources import refuse_unknown
+from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.errors import ConfigError
 
 # The default store (no root given) is bounded: a user who never configured storage must not find
@@ -59,10 +59,8 @@ class FileStoreConfig:
         allowed = {"backend", "root", "capacity_bytes", "fsync", "io_threads", "permissions"}
         refuse_unknown(data, allowed, "storage.", "option for the file backend")
         capacity = data.get("capacity_bytes")
-        if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
-            raise ConfigError(
-                "storage.capacity_bytes", f"must be a positive integer, got {capacity!r}"
-            )
+        if capacity is not None:
+            positive("storage.capacity_bytes", capacity, integer=True)
         try:
             fsync = FsyncPolicy(data.get("fsync", "none"))
         except ValueError:
@@ -70,7 +68,7 @@ class FileStoreConfig:
                 "storage.fsync", f"got {data['fsync']!r}; allowed: none, data, full"
             ) from None
         threads = data.get("io_threads", 4)
-        if not isinstance(threads, int) or not 1 <= threads <= 64:
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
             raise ConfigError("storage.io_threads", f"must be an integer 1..64, got {threads!r}")
         try:
             permissions = Permissions(data.get("permissions", "private"))

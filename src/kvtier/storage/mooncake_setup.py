@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtier.common import bindguard
-from kvtier.common.config_sources import refuse_unknown
+from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.errors import ConfigError, StorageError, StorageUnavailable
 
 log = logging.getLogger("kvtier.storage.mooncake")
@@ -53,9 +53,7 @@ class MooncakeConfig:
                     f"storage.{name}", f"must be an integer >= {least}, got {value!r}"
                 )
         for name in ("connect_timeout_s", "setup_timeout_s", "call_timeout_s"):
-            timeout = getattr(self, name)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-                raise ConfigError(f"storage.{name}", f"must be a number > 0, got {timeout!r}")
+            positive(f"storage.{name}", getattr(self, name))
         for name in ("master_address", "metadata_server", "local_hostname", "device_name"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"storage.{name}", f"must be text, got {getattr(self, name)!r}")

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.common.config_sources import refuse_unknown
+from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.common.cpus import parse_cpu_list
 from kvtier.errors import ConfigError
-from kvtier.storage import validate_storage_config
+from kvtier.storage import parse_storage
 
 PREFIX = "kv_connector_extra_config"
 KV_EVENTS = ("auto", "any_interface", "off")
@@ -77,11 +77,9 @@ class ConnectorSettings:
         if self.storage is not None:
             if not isinstance(self.storage, Mapping):
                 raise ConfigError(f"{PREFIX}.storage", "must be a mapping with a 'backend' key")
-            validate_storage_config(self.storage)
+            parse_storage(self.storage)
         for name in ("start_timeout_s", "task_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{PREFIX}.{name}", f"must be a number > 0, got {value!r}")
+            positive(f"{PREFIX}.{name}", getattr(self, name))
         if self.kv_events not in KV_EVENTS:
             raise ConfigError(
                 f"{PREFIX}.kv_events", f"got {self.kv_events!r}; allowed: {', '.join(KV_EVENTS)}"

@@ -9,6 +9,7 @@ read the process environment: library code takes the validated config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -22,12 +23,12 @@ from typing import Any
 
 import yaml
 
-from kvtier.common.config_sources import Source, merge, refuse_unknown
+from kvtier.common.config_sources import Source, merge, positive, refuse_unknown
 from kvtier.common.cpus import parse_cpu_list
 from kvtier.common.user_dirs import check_parent_directory
 from kvtier.errors import ConfigError
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage import validate_storage_config
+from kvtier.storage import StorageConfig, parse_storage
 from kvtier.transport.base import LOCAL_SCHEME
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,7 @@ class WorkerConfig:
         if not isinstance(self.storage, Mapping):
             raise ConfigError("storage", "must be a mapping with a 'backend' key")
         for name in ("engine_timeout_s", "start_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(name, f"must be a number > 0, got {value!r}")
+            positive(name, getattr(self, name))
         if self.endpoint and not self.endpoint.startswith(
             ("ipc:///", "tcp://127.", "tcp://[::1]", LOCAL_SCHEME)
         ):
@@ -170,7 +169,12 @@ class WorkerConfig:
         from kvtier.layout.keys import KeyScheme
 
         KeyScheme(self.namespace, self.spec.fingerprint, self.rank, self.version or "")
-        validate_storage_config(self.storage)
+        _ = self.storage_config  # parsed, so checked, now
+
+    @functools.cached_property
+    def storage_config(self) -> StorageConfig:
+        """``storage`` in its typed form (parsed once, by ``__post_init__``)."""
+        return parse_storage(self.storage)
 
     @property
     def device_cache_name(self) -> str:

@@ -295,7 +295,7 @@ class Worker:
             **self.counters.snapshot(),
             "storage": storage.stats.as_dict() if storage is not None else {},
             "storage_usage": vars(usage) if usage is not None else {},
-            "storage_backend": describe_backend(self.config.storage),
+            "storage_backend": describe_backend(self.config.storage_config),
             # By level, fastest first ("0", "1", ...; their backends: ``storage_backend``);
             # counters only (a result's data nests three levels deep, the last of numbers).
             "storage_tiers": (

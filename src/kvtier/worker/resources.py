@@ -105,7 +105,7 @@ class RankResources:
             else:
                 self.device_cache = DeviceCache.attach(cfg.spec, cfg.device_cache_name)
             self.host_pool = HostPool(cfg.spec, self.layout.total_blocks)
-            self.storage = make_backend(cfg.spec, cfg.storage)
+            self.storage = make_backend(cfg.spec, cfg.storage_config)
             self.storage.watch_removals(self.removals.keys_evicted)
             self.datapath = DataPath(self.device_cache, self.host_pool, self.layout, self.storage)
         except BaseException:
