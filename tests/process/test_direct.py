@@ -124,10 +124,10 @@ def test_a_heartbeat_is_echoed_with_its_own_stamp(tmp_path) -> None:
         try:
             sock.connect(client._ranks[0].endpoint)
             sock.send(t.encode(t.Hello(protocol_version=t.PROTOCOL_VERSION, client_id="probe")))
-            assert sock.poll(10_000) and isinstance(t.decode(sock.recv()), t.Welcome)
+            assert sock.poll(10_000) and isinstance(t.decode_frame(sock.recv())[0], t.Welcome)
             sock.send(t.encode(t.Heartbeat(sent_at=-42.0)))
             assert sock.poll(10_000)
-            assert t.decode(sock.recv()) == t.Heartbeat(sent_at=-42.0)
+            assert t.decode_frame(sock.recv()) == [t.Heartbeat(sent_at=-42.0)]
         finally:
             sock.close(linger=0)
             context.term()

@@ -359,6 +359,7 @@ TAGS = [
     "heartbeat",
     "result",
     "welcome",
+    "bundle",
     "explode",
     "",
 ]
@@ -391,6 +392,7 @@ task_like = st.fixed_dictionaries(
         "args": st.dictionaries(st.text(max_size=8), values, max_size=3) | values,
         "protocol_version": st.integers(-3, 5),
         "extra": values,
+        "items": st.lists(st.binary(max_size=40).map(msgspec.Raw), max_size=3) | values,
     },
 )
 
@@ -451,14 +453,19 @@ def _decoded(payload: bytes):
     return None
 
 
-def _expects_answer(payload: bytes) -> bool:
+def _expects_answer(payload: bytes, bundled: bool = False) -> bool:
     """What the worker promises: tasks, control, hello and heartbeats are answered; a
-    malformed message is answered when it carries a task id; anything else is dropped."""
+    malformed message is answered when it carries a task id; anything else is dropped. A
+    bundle's messages are each answered as if sent alone (a bundle inside one is malformed)."""
     try:
         message = t.decode(payload)
+        if isinstance(message, t.Bundle) and bundled:
+            raise ValueError("nested")
     except Exception:
         raw = _decoded(payload)
         return isinstance(raw, dict) and type(raw.get("task_id")) is int
+    if isinstance(message, t.Bundle):
+        return any(_expects_answer(bytes(item), bundled=True) for item in message.items)
     return not isinstance(message, (t.Result, t.Welcome))
 
 
@@ -466,6 +473,8 @@ def _is_control_that_changes_state(payload: bytes) -> bool:
     """Valid pause/sleep/shutdown would (rightly) stop serving; the fuzz keeps to the rest."""
     with suppress(Exception):
         message = t.decode(payload)
+        if isinstance(message, t.Bundle):
+            return any(_is_control_that_changes_state(bytes(item)) for item in message.items)
         return isinstance(message, t.Shutdown) or (
             isinstance(message, t.Control) and message.method in {"pause", "sleep"}
         )

@@ -187,12 +187,12 @@ def test_garbage_on_the_socket_is_logged_and_dropped(tmp_path) -> None:
             msgspec.msgpack.encode({"type": "swap_out", "task_id": 77, "device_block_ids": "nope"})
         )
         assert raw.poll(5000), "a malformed task with a task id is answered"
-        answer = t.decode(raw.recv())
+        (answer,) = t.decode_frame(raw.recv())
         assert answer.task_id == 77 and answer.status is t.Status.ERROR
         assert "malformed task" in answer.message
         raw.send(t.encode(t.Hello(protocol_version=99, client_id="old")))
         assert raw.poll(5000)
-        welcome = t.decode(raw.recv())
+        (welcome,) = t.decode_frame(raw.recv())
         assert not welcome.accepted and "protocol version 99 is not supported" in welcome.message
         raw.close(0)
         ctx.term()

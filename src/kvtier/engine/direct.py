@@ -109,7 +109,7 @@ class DirectCalls:
             raise TaskTimeout(f"task {task.task_id} ({t.task_name(task)}): not answered in time")
         received = channel.receive(min(CHECK_INTERVAL_S, deadline - now))
         self._check_ranks(task)
-        return [(position, _decode(payload)) for position, payload in received]
+        return [(position, m) for position, payload in received for m in _messages(payload)]
 
     def _check_ranks(self, task: Any) -> None:
         for r in self._ranks:
@@ -150,12 +150,22 @@ class DirectCalls:
         deadline = time.monotonic() + HELLO_WAIT_S
         while waiting and (left := deadline - time.monotonic()) > 0:
             for position, payload in channel.receive(left):
-                message = _decode(payload)
-                if isinstance(message, t.Welcome):
+                for message in _messages(payload):
+                    if not isinstance(message, t.Welcome):
+                        continue
                     if not message.accepted:
                         return False
                     waiting.discard(position)
         return not waiting
+
+
+def _messages(payload: bytes) -> list[Any]:
+    """The messages in a frame: one, or a bundle's (None for one that is malformed)."""
+    message = _decode(payload)
+    if not isinstance(message, t.Bundle):
+        return [message]
+    items = [_decode(bytes(item)) for item in message.items]
+    return [None if isinstance(m, t.Bundle) else m for m in items]  # never nested
 
 
 def _decode(payload: bytes) -> Any:

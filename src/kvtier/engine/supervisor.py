@@ -76,6 +76,7 @@ class Supervisor:
         self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_asked = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ping: tuple[float, threading.Event, set[int]] | None = None
@@ -151,7 +152,12 @@ class Supervisor:
 
     def _send_all(self, message: Any) -> None:
         self._outbox.put(t.encode(message))
-        self.transport.wake()
+        # One wake until the thread turns: each costs a message and a switch of threads, and
+        # the thread sends everything queued when it turns. It clears the flag before it empties
+        # the outbox, so a message queued after that wakes it again (a spare wake is harmless).
+        if not self._wake_asked:
+            self._wake_asked = True
+            self.transport.wake()
 
     def _loop(self) -> None:
         next_beat = last_turn = next_check = time.monotonic()
@@ -198,23 +204,32 @@ class Supervisor:
                 r.last_hello = now
 
     def _flush_outbox(self) -> None:
+        """Everything queued, to every live rank: bundled (``t.bundle``) when several wait."""
+        self._wake_asked = False
+        payloads = []
         while True:
             try:
-                payload = self._outbox.get_nowait()
+                payloads.append(self._outbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        for frame in t.bundle(payloads):
             for r in self.ranks:
                 if not r.lost:
-                    self.transport.send(r.position, payload)
+                    self.transport.send(r.position, frame)
 
-    def _receive(self, r: Rank, payload: bytes) -> None:
+    def _receive(self, r: Rank, payload: bytes, bundled: bool = False) -> None:
         try:
             message = t.decode(payload)
+            if isinstance(message, t.Bundle) and bundled:
+                raise msgspec.ValidationError("a bundle inside a bundle")
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("client: rank %d sent a malformed message: %s", r.position, str(e)[:200])
             return
         r.last_heard = time.monotonic()
-        if isinstance(message, t.Result):
+        if isinstance(message, t.Bundle):
+            for item in message.items:
+                self._receive(r, bytes(item), bundled=True)
+        elif isinstance(message, t.Result):
             self._on_result(r, message)
         elif isinstance(message, t.Welcome):
             if r.lost:

@@ -36,6 +36,7 @@ from kvtier.transport.auth import CurveKeys
 from kvtier.transport.base import Peer
 from kvtier.transport.connect import server_transport
 from kvtier.transport.endpoint import EndpointClaim
+from kvtier.transport.turns import TurnSender
 from kvtier.worker.config import WorkerConfig
 from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.engine_watch import EngineWatch
@@ -69,6 +70,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._started = False
         self._started_at = time.time()
+        # Answers given on the loop thread leave at the end of its turn, bundled per peer.
+        self.out = TurnSender(lambda peer, payload: self.transport.send(peer, payload))
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -87,7 +90,7 @@ class Worker:
             self.resources,
             self.gate,
             self.counters,
-            send=lambda peer, result: self.transport.send(peer, t.encode(result)),
+            send=lambda peer, result: self.out.send(peer, t.encode(result)),
             metrics=lambda: self.metrics,
             rank=self.rank,
         )
@@ -165,24 +168,34 @@ class Worker:
 
     def _loop(self) -> None:
         self.runner.loop_ident = threading.get_ident()
+        self.out.start()
         try:
             while not self._stop.is_set():
                 for peer, payload in self.transport.receive(POLL_INTERVAL_S):
                     self._handle(peer, payload)
                     self.runner.run_inline()
+                self.out.flush()
                 why = self.watch.gone()
                 if why:
                     log.error("rank %d: %s: exiting", self.rank, why)
                     self.exit_code = EXIT_ENGINE_LOST
                     break
         finally:
+            self.out.stop()
             self._shutdown()
 
-    def _handle(self, peer: Peer, payload: bytes) -> None:
+    def _handle(self, peer: Peer, payload: bytes, bundled: bool = False) -> None:
         try:
             message = t.decode(payload)
+            if isinstance(message, t.Bundle) and bundled:
+                raise msgspec.ValidationError("a bundle inside a bundle")
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._malformed(peer, payload, e)
+            return
+        if isinstance(message, t.Bundle):
+            for raw in message.items:  # each as if it came alone, small swaps run in between
+                self._handle(peer, bytes(raw), bundled=True)
+                self.runner.run_inline()
             return
         if isinstance(message, t.Hello):
             self._hello(peer, message)
@@ -202,7 +215,7 @@ class Worker:
                 status = t.Status.CANCELLED if stopping else t.Status.ERROR
                 self._answer(peer, message.task_id, status, refusal.value)
         elif isinstance(message, t.Heartbeat):  # its stamp echoed: a ping finds its answer
-            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
+            self.out.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
         elif isinstance(message, t.Control):
             self.control.receive(peer, message)
         elif isinstance(message, t.Shutdown):
@@ -217,7 +230,7 @@ class Worker:
     def _observe(self, peer: Peer, message: t.Message) -> None:
         """An observer (``kvtier status``): stats and heartbeats only, no proof of engine life."""
         if isinstance(message, t.Heartbeat):
-            self.transport.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
+            self.out.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
         elif isinstance(message, t.Control) and message.method == "stats":
             self.control.receive(peer, message)
         elif (task_id := getattr(message, "task_id", None)) is not None:
@@ -262,7 +275,7 @@ class Worker:
             message=message,
             pid=os.getpid(),
         )
-        self.transport.send(peer, t.encode(welcome))
+        self.out.send(peer, t.encode(welcome))
 
     def _handshake_refused(self, address: str) -> None:
         """A tcp:// peer without the instance's client key: refused before any frame."""
@@ -273,7 +286,7 @@ class Worker:
 
     def _answer(self, peer: Peer, task_id: int, status: t.Status, message: str, **extra) -> None:
         result = t.Result(task_id=task_id, status=status, message=message, rank=self.rank, **extra)
-        self.transport.send(peer, t.encode(result))
+        self.out.send(peer, t.encode(result))
 
     def _reply_control(self, peer: Peer, task: t.Control, answer: Answer) -> None:
         status = t.Status.OK if answer.code == t.Code.OK else t.Status.ERROR
