@@ -3,6 +3,7 @@ client bundles what queued up, a worker what it answered in one turn."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -13,6 +14,7 @@ from kvtier.engine import supervisor
 from kvtier.engine.client import Client
 from kvtier.transport import tasks as t
 from kvtier.transport.local import LocalClient
+from kvtier.transport.turns import TurnSender
 from worker_helpers import hashes, local_worker
 
 
@@ -114,3 +116,24 @@ def test_a_client_bundles_what_queues_up_and_answers_every_future(worker, monkey
         results = [f.result(30) for f in futures]
     assert [r.count for r in results] == [3] * 300 + [0] * 50
     assert sum(sizes) >= 350 and max(sizes) > 1  # several tasks went in one frame
+
+
+def test_a_turn_holds_the_loop_threads_sends_up_to_a_bound_and_no_other_thread_s() -> None:
+    sent: list[tuple[bytes, list]] = []
+    out = TurnSender(lambda peer, frame: sent.append((peer, t.decode_frame(frame))), most_held=3)
+    beats = [t.encode(t.Heartbeat(sent_at=float(i))) for i in range(8)]
+    out.start()
+    for payload in beats[:4]:
+        out.send(b"a", payload)
+    out.send(b"b", beats[4])
+    assert [(p, len(m)) for p, m in sent] == [(b"a", 3)]  # the bound reached: gone at once
+    other = threading.Thread(target=out.send, args=(b"c", beats[5]))
+    other.start()
+    other.join()
+    assert sent[-1][0] == b"c"  # another thread's send is never held
+    out.flush()
+    assert [(p, len(m)) for p, m in sent[2:]] == [(b"a", 1), (b"b", 1)]
+    out.send(b"a", beats[6])
+    out.stop()  # flushes, and holds nothing from now on
+    out.send(b"a", beats[7])
+    assert [m[0].sent_at for _, m in sent[-2:]] == [6.0, 7.0]

