@@ -223,8 +223,9 @@ def test_a_workers_stats_status_and_metrics_show_each_tier(tmp_path) -> None:
             assert client.load(hashes, [3, 4, 5]).blocks == [3, 4, 5]
             stats = client.control("stats").per_rank[0].data
             assert client.lookup_tiers(hashes) == (3, b"")
-            memory_tier = worker.resources.storage.tiers[0]
-            memory_tier.delete(worker.resources.keys.keys(hashes[1:]))  # as if evicted
+            chain = worker.resources.storage
+            assert chain.writer.flush(30) == 0  # written through (asynchronously) to the file
+            chain.tiers[0].delete(worker.resources.keys.keys(hashes[1:]))  # as if evicted
             assert client.lookup_tiers(hashes) == (3, bytes([0, 1, 1]))
             assert client.lookup(hashes) == 3
         assert stats["storage_backend"] == "memory+file"
