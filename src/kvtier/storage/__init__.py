@@ -13,6 +13,7 @@ from kvtier.storage.config import (
     ChainConfig,
     StorageConfig,
     describe,
+    in_tier,
     mooncake_config,
     parse_storage,
     register_backend,
@@ -91,7 +92,7 @@ def make_backend(
     built: list[StorageBackend] = []
     try:
         for i, tier in enumerate(parsed.tiers):
-            built.append(_in_tier(i, tier, spec, mac_key))
+            built.append(in_tier(i, _open, tier, spec, mac_key))
         return TieredStore(
             built,
             mac_key=mac_key,
@@ -112,16 +113,6 @@ def _open(config: BackendConfig, spec: KVCacheSpec, mac_key: bytes | None) -> St
 
         backend = FaultInjectingStore(backend, config.faults)
     return backend
-
-
-def _in_tier(i: int, tier: BackendConfig, spec: KVCacheSpec, mac_key: bytes | None):
-    """The tier opened, with a ConfigError's field placed inside ``storage.tiers[i]`` (a
-    memory tier too small for one object is found only when it is built)."""
-    try:
-        return _open(tier, spec, mac_key)
-    except ConfigError as e:
-        field = e.field.replace("storage.", f"storage.tiers[{i}].", 1)
-        raise ConfigError(field, e.detail) from None
 
 
 def read_mac_key(path: str | None) -> bytes | None:

@@ -191,7 +191,7 @@ def _parse_chain(config: Mapping[str, Any]) -> ChainConfig:
         for name in ("tiers", MAC_KEY_FILE):
             if name in tier:
                 raise ConfigError(f"storage.tiers[{i}].{name}", "belongs to the chain, not a tier")
-        parsed.append(_in_tier(i, _parse_backend, tier))
+        parsed.append(in_tier(i, _parse_backend, tier))
     write = config.get("write", "through")
     if write not in WRITE_MODES:
         raise ConfigError("storage.write", f"got {write!r}; allowed: {', '.join(WRITE_MODES)}")
@@ -207,10 +207,11 @@ def _parse_chain(config: Mapping[str, Any]) -> ChainConfig:
     return ChainConfig(tuple(parsed), write, int(pending), float(flush), mac_key_file)
 
 
-def _in_tier(i: int, parse: Callable[[Mapping[str, Any]], BackendConfig], tier: Mapping[str, Any]):
-    """``parse(tier)`` with a ConfigError's field placed inside ``storage.tiers[i]``."""
+def in_tier(i: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with a ConfigError's field placed inside ``storage.tiers[i]`` (parsing a
+    tier, or opening one: a memory tier too small for one object is found only then)."""
     try:
-        return parse(tier)
+        return fn(*args)
     except ConfigError as e:
         field = e.field.replace("storage.", f"storage.tiers[{i}].", 1)
         raise ConfigError(field, e.detail) from None
