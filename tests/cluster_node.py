@@ -12,20 +12,25 @@ then prints the JSON line again.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
 from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 
+LOG_ENV = "KVTIER_ROLE_LOG"  # a file for the role's Mooncake output (default: an unnamed one)
+
 
 def main(argv: list[str]) -> int:
     role, host = argv[0], argv[1]
+    log = os.environ.get(LOG_ENV)  # keep the Mooncake process's output there
     if role == "master":
-        started = LocalMaster(host=host).start()
+        started = LocalMaster(host=host, log_path=log).start()
         info = {"master_address": started.master_address, "metadata": started.metadata_server}
     else:
         master = SimpleNamespace(master_address=argv[2], metadata_server=argv[3])
-        started = LocalStoreNode(master, int(argv[4]), host=host).start()  # type: ignore[arg-type]
+        node = LocalStoreNode(master, int(argv[4]), host=host, log_path=log)  # type: ignore[arg-type]
+        started = node.start()
         info = {}
     assert started.process is not None
     print(json.dumps({**info, "pid": started.process.pid}), flush=True)

@@ -53,8 +53,11 @@ def listeners(pid: int, whole_namespace: bool = False) -> set[str]:
     return found
 
 
-def start_role(net: Namespaces, role: str, *args: str) -> tuple[subprocess.Popen, dict]:
-    """``cluster_node.py ROLE ADDRESS ARGS`` inside ``role``'s namespace; its JSON line."""
+def start_role(
+    net: Namespaces, role: str, *args: str, log: str | None = None
+) -> tuple[subprocess.Popen, dict]:
+    """``cluster_node.py ROLE ADDRESS ARGS`` inside ``role``'s namespace; its JSON line.
+    ``log``: a file the role's Mooncake process writes its output to (appended)."""
     import json
     import sys
     from pathlib import Path
@@ -70,7 +73,11 @@ def start_role(net: Namespaces, role: str, *args: str) -> tuple[subprocess.Popen
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            **({"KVTIER_ROLE_LOG": log} if log else {}),
+        },
     )
     assert process.stdout is not None
     line = process.stdout.readline()

@@ -14,6 +14,7 @@ import itertools
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -42,10 +43,15 @@ def cluster(model, tmp_path_factory):
         roles = []
         engines: dict[str, Server] = {}
         try:
-            master, info = start_role(net, "master")
+            master, info = start_role(net, "master", log=str(root / "master.log"))
             roles.append(master)
             node, _ = start_role(
-                net, "node", info["master_address"], info["metadata"], str(SEGMENT_BYTES)
+                net,
+                "node",
+                info["master_address"],
+                info["metadata"],
+                str(SEGMENT_BYTES),
+                log=str(root / "node.log"),
             )
             roles.append(node)
             for name in ("a", "b", "c"):
@@ -158,12 +164,23 @@ def _hits_come_back(cluster, seed: int) -> float:
         )
 
 
+def _said(log: Path) -> list[str]:
+    """Mooncake's warnings and errors in ``log`` (glog's ``W``/``E`` lines), the last 40."""
+    lines = log.read_text(errors="replace").splitlines()
+    return [line for line in lines if line[:1] in "WE" and line[1:5].isdigit()][-40:]
+
+
 def _logs(*servers: Server) -> str:
-    """The end of each engine's kvtier worker logs and kvtier's lines in its server log."""
+    """The master's and the storage node's warnings and errors; each engine's kvtier worker
+    logs — Mooncake's warnings and errors from the start (what its client said while a call
+    stalled), then the log's end — and kvtier's lines in its server log."""
     out = []
+    for role in sorted(servers[0].workdir.parent.glob("*.log")):  # master.log, node.log
+        out += [f"--- {role}: W/E lines", *_said(role)]
     for server in servers:
         for log in sorted(server.tmpdir.glob("kvtier-launch-*/rank*.log")):
-            out.append(f"--- {log}\n{log.read_text(errors='replace')[-1500:]}")
+            out += [f"--- {log}: Mooncake's W/E lines", *_said(log)]
+            out.append(f"--- {log}: the end\n{log.read_text(errors='replace')[-1500:]}")
         lines = server.log_path.read_text(errors="replace").splitlines()
         out.append(f"--- {server.log_path}: kvtier lines")
         out += [line for line in lines if "kvtier" in line and "non-default args" not in line][-15:]
@@ -207,7 +224,7 @@ def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster, fi
             break
         failed_saves.append([r.get("tasks", {}).get("save") for r in c.kvtier_stats()])
         # The cause, for the next reader: what C's workers and server said of the save.
-        figures.setdefault("logs_after_each_failure", []).append(_logs(c)[-3000:])
+        figures.setdefault("logs_after_each_failure", []).append(_logs(c))
     else:
         pytest.fail(f"C's saves failed 3 times: {failed_saves}\n{_logs(c)}")
     figures["prompts_until_saved"] = attempt + 1
@@ -269,7 +286,8 @@ def test_a_dead_storage_node_costs_recomputes_never_wrong_tokens_or_hangs(cluste
     # A storage node again (a small one: the next test fills it): new objects are hit.
     net, info = cluster["net"], cluster["info"]
     size = str(SMALL_SEGMENT_BYTES)
-    node, _ = start_role(net, "node", info["master_address"], info["metadata"], size)
+    log = str(a.workdir.parent / "node.log")
+    node, _ = start_role(net, "node", info["master_address"], info["metadata"], size, log=log)
     cluster["roles"].append(node)
     figures["hits_back_after_s"] = _hits_come_back(cluster, 17)
 

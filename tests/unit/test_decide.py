@@ -183,6 +183,35 @@ def test_a_save_still_unanswered_shows_a_slow_store_before_any_answer(monkeypatc
     assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
 
 
+def test_a_slow_answered_save_keeps_its_floor_until_loads_or_a_fast_save_lift_it(
+    monkeypatch,
+) -> None:
+    """A fresh engine whose first save took 2 s of the worker's own time for 5 blocks: after
+    the answer its loads of the first tier stay declined (a slow store's first loads are not
+    paid to learn it), however long after; saves go out as one probe per STALE_S. A save
+    under SLOW_SAVE_S (a busy machine's) is no floor; a fast answered save lifts it, and so do
+    loads measured."""
+    clock = [0.0]
+    monkeypatch.setattr(decide.time, "monotonic", lambda: clock[0])
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)  # 16 ms per block
+    d.saved(5, decide.SLOW_SAVE_S * 0.9)  # 90 ms per block, but quick in all: no floor
+    assert d.blocks_to_load(14) == 14
+    d.saved(5, 2.0)  # 400 ms per block of its own
+    clock[0] += 10 * decide.FLOOR_S  # no longer waiting, long answered: the floor holds
+    assert d.blocks_to_load(14) == 0
+    assert d.worth_saving(14, now=clock[0])  # a probe...
+    assert not d.worth_saving(14, now=clock[0] + decide.STALE_S / 2)  # ...one per STALE_S
+    assert d.worth_saving(14, now=clock[0] + decide.STALE_S)
+    d.saved(5, 0.01)  # the store is fast again
+    assert d.blocks_to_load(14) == 14
+    d.saved(5, 2.0)
+    for n in (4, 8):
+        d.loaded(n, 0.001 * n)  # loads say more than saves
+    clock[0] += 2 * decide.STALE_S
+    assert d.blocks_to_load(14) == 14
+
+
 def test_saves_follow_loads_with_one_probe_per_stale_period() -> None:
     """A prefix whose load would be declined is not saved, but for one probe per STALE_S;
     a store whose loads are taken is always saved to, as is any store before it is measured."""

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvtier.common import bindguard
 from kvtier.errors import StorageError, StorageUnavailable
@@ -77,11 +77,16 @@ class LocalMaster:
     """
 
     def __init__(
-        self, lease_ttl_ms: int | None = None, host: str = "127.0.0.1", netns: str | None = None
+        self,
+        lease_ttl_ms: int | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        log_path: str | None = None,
     ) -> None:
         """``netns``: run inside that network namespace (``host`` is one of its addresses; any
-        port free here is free in a namespace nothing else runs in)."""
-        self.host, self.netns = host, netns
+        port free here is free in a namespace nothing else runs in). ``log_path``: keep what
+        it prints in that file (appended) rather than in an unnamed one."""
+        self.host, self.netns, self.log_path = host, netns, log_path
         here = "127.0.0.1" if netns else host
         self.rpc_port = _free_port(here)
         self.http_port = _free_port(here)
@@ -121,7 +126,7 @@ class LocalMaster:
         if self.lease_ttl_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         # Its output goes to a file: read back when it fails, never a pipe that could fill.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+        self._log = _log_file(self.log_path)
         self.process = subprocess.Popen(
             _in_netns(self.netns, args),
             stdout=self._log,
@@ -182,15 +187,17 @@ class LocalStoreNode:
         segment_bytes: int,
         host: str = "127.0.0.1",
         netns: str | None = None,
+        log_path: str | None = None,
     ) -> None:
+        """``log_path``: keep what it prints in that file (appended)."""
         self.master = master
         self.segment_bytes = segment_bytes
-        self.host, self.netns = host, netns
+        self.host, self.netns, self.log_path = host, netns, log_path
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> LocalStoreNode:
         env = _guarded_environment(self.host)
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+        self._log = _log_file(self.log_path)
         self.process = subprocess.Popen(
             _in_netns(
                 self.netns,
@@ -233,6 +240,15 @@ class LocalStoreNode:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _log_file(path: str | None) -> BinaryIO:
+    """A process's log: ``path`` appended to (created private; a link there is refused), or an
+    unnamed file that lives as long as the process."""
+    if path is None:
+        return tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "ab+")
 
 
 def _in_netns(netns: str | None, args: list[str]) -> list[str]:

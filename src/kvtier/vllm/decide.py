@@ -34,7 +34,11 @@ A slow first tier is noticed before its first answer: a save still unanswered af
 seconds (the vLLM worker sides report their oldest each step, once it is ``REPORT_WAITING_S``
 old: longer than a busy machine keeps a fast store's save waiting) puts a floor under the first
 tier's rate, ``t / blocks`` per block, until it is answered — unless loads of it were measured
-within ``STALE_S`` (they say more).
+within ``STALE_S`` (they say more). Once answered, a save that took ``SLOW_SAVE_S`` or more of
+the worker's own time (``Result.seconds``: its run, not its queue) keeps that floor, ``seconds
+/ blocks written``, until loads of the first tier are measured; a faster one lifts it. So a
+fresh engine does not pay a slow store's first loads to learn what its saves already said, and
+a busy machine's queue of saves still says nothing.
 
 **Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
 either. Its save would be worth nothing (the next hit on it would be declined) and would cost
@@ -53,6 +57,7 @@ MIN_SAMPLES = 2  # the first loads of a slow store must not be paid for to learn
 STALE_S = 2.0
 PROBE_S = 30.0  # a declined tier is tried again this often (one request pays)
 FLOOR_S = 1.0  # a waiting save's floor holds this long unless reported again (every step)
+SLOW_SAVE_S = 0.5  # an answered save this slow (its own time) is a floor: REPORT_WAITING_S's bar
 MIN_STEP_TOKENS = 64
 MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
 # A load estimated to take less than this is always taken: declining it could save at most
@@ -102,6 +107,7 @@ class LoadOrRecompute:
         self._last_probe_at = self._first_tier_loaded_at = float("-inf")
         self._probed_at: dict[int, float] = {}
         self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a waiting save
+        self._saved_floor = 0.0  # s per block, from the last answered save, if it was slow
         self._last_step: tuple[float, int] | None = None
 
     @property
@@ -139,13 +145,23 @@ class LoadOrRecompute:
             floor = self._floor if now - self._floor_at <= FLOOR_S else 0.0
             self._floor, self._floor_at = max(floor, seconds / blocks), now
 
-    def _floor_now(self) -> float:
-        """The floor, while it holds and no load of the first tier says more (saves queue on
-        their own: a backlog of saves says nothing of how fast loads are answered)."""
+    def saved(self, blocks: int, seconds: float) -> None:
+        """A save wrote ``blocks`` in ``seconds`` of the worker's own time: if that is
+        ``SLOW_SAVE_S`` or more, a floor under the first tier's rate until loads of it are
+        measured; if less, no floor (the store is not known to be slow)."""
+        if blocks > 0:
+            self._saved_floor = seconds / blocks if seconds >= SLOW_SAVE_S else 0.0
+
+    def _floors(self) -> tuple[float, float]:
+        """The floors that hold now — a waiting save's, an answered slow save's — unless a load
+        of the first tier says more (saves queue on their own: a backlog of saves says nothing
+        of how fast loads are answered)."""
         now = time.monotonic()
-        if now - self._floor_at > FLOOR_S or now - self._first_tier_loaded_at <= STALE_S:
-            return 0.0
-        return self._floor
+        if now - self._first_tier_loaded_at <= STALE_S:
+            return 0.0, 0.0
+        waiting = self._floor if now - self._floor_at <= FLOOR_S else 0.0
+        answered = self._saved_floor if self.store.samples < MIN_SAMPLES else 0.0
+        return waiting, answered
 
     def step(self, scheduled_tokens: int, now: float | None = None) -> None:
         """A scheduler step begins that scheduled ``scheduled_tokens``: the previous step took
@@ -171,7 +187,7 @@ class LoadOrRecompute:
     def blocks_to_load(self, found: int, tiers: bytes = b"", now: float | None = None) -> int:
         """Of ``found`` stored blocks (``tiers``: each one's tier, empty: all the first), how
         many leading ones to load."""
-        return self._worth(found, tiers, now, floor=self._floor_now(), probe=True)
+        return self._worth(found, tiers, now, floor=max(self._floors()), probe=True)
 
     def _worth(self, found: int, tiers: bytes, now: float | None, floor: float, probe: bool) -> int:
         """``blocks_to_load``, with ``floor`` seconds per block under the first tier's rate;
@@ -225,12 +241,13 @@ class LoadOrRecompute:
 
     def worth_saving(self, blocks: int, now: float | None = None) -> bool:
         """Save a prefix of ``blocks`` blocks (into the first tier)? Yes unless its load would
-        be declined; then no, but for one probe per ``STALE_S`` (module docstring)."""
-        floor = self._floor_now()
-        if blocks <= 0 or self._worth(blocks, b"", now, floor, probe=False) > 0:
+        be declined; then no, but for one probe per ``STALE_S`` (module docstring) — none while
+        a save is still waiting (that one is the probe)."""
+        waiting, answered = self._floors()
+        if blocks <= 0 or self._worth(blocks, b"", now, max(waiting, answered), False) > 0:
             return True
         now = time.monotonic() if now is None else now
-        if now - self._last_probe_at < STALE_S or floor:
+        if now - self._last_probe_at < STALE_S or waiting:
             return False
         self._last_probe_at = now
         return True

@@ -56,11 +56,14 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     loads answered since the last step, ``(blocks per tier, seconds from submission)``: the
     scheduler's load-or-recompute estimates (``kvtier.vllm.decide``). ``waiting_saves``:
     ``(blocks, seconds so far)`` of a rank's oldest save still unanswered, once it is older
-    than ``REPORT_WAITING_S``: a slow store is noticed while its first save is on its way."""
+    than ``REPORT_WAITING_S``: a slow store is noticed while its first save is on its way.
+    ``save_times``: ``(blocks written, the worker's own seconds)`` of saves answered since the
+    last step (not their time from submission: saves queue behind each other)."""
 
     failed_hashes: set[bytes] = field(default_factory=set)
     load_times: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
     waiting_saves: list[tuple[int, float]] = field(default_factory=list)
+    save_times: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvtierWorkerMetadata):
@@ -68,5 +71,6 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
                 self.failed_hashes | other.failed_hashes,
                 self.load_times + other.load_times,
                 self.waiting_saves + other.waiting_saves,
+                self.save_times + other.save_times,
             )
         return self

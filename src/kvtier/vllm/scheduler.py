@@ -269,6 +269,8 @@ class SchedulerSide:
                 self.decide.loaded(per_tier, seconds)
             for n, seconds in meta.waiting_saves:
                 self.decide.waiting(n, seconds)
+            for n, seconds in meta.save_times:
+                self.decide.saved(n, seconds)
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
             if meta.failed_hashes:

@@ -49,6 +49,7 @@ class StepTransfers:
         self._failed_hashes: set[bytes] = set()
         self._load_times: list = []  # (blocks per tier, seconds)
         self._unanswered: dict[Future, tuple[int, float]] = {}  # saves: blocks, submitted at
+        self._save_times: list[tuple[int, float]] = []  # answered: blocks written, own seconds
         self.events: RankEventLog | None = None  # set where kvtier's KV events are published
 
     # ---- each step --------------------------------------------------------------------------
@@ -138,13 +139,14 @@ class StepTransfers:
         transfers' times (its load-or-recompute estimates)."""
         with self._stats_lock:
             loads, self._load_times = self._load_times, []
+            saves, self._save_times = self._save_times, []
             oldest = min(self._unanswered.values(), key=lambda v: v[1], default=None)
         waiting = []
         if oldest is not None and _now() - oldest[1] >= REPORT_WAITING_S:
             waiting.append((oldest[0], _now() - oldest[1]))
-        if not (self._failed_hashes or loads or waiting):
+        if not (self._failed_hashes or loads or waiting or saves):
             return None
-        meta = KvtierWorkerMetadata(self._failed_hashes, loads, waiting)
+        meta = KvtierWorkerMetadata(self._failed_hashes, loads, waiting, saves)
         self._failed_hashes = set()
         return meta
 
@@ -199,6 +201,9 @@ class StepTransfers:
             )
             if result.status is not t.Status.OK:
                 self._count(save_failures=1)
+            elif len(result.blocks) > result.count:  # blocks written: a sample of its own time
+                with self._stats_lock:
+                    self._save_times.append((len(result.blocks) - result.count, result.seconds))
         except Exception:
             self._count(save_failures=1)
 
