@@ -16,7 +16,8 @@ from crash_saver import run_iterations
 from kvtier.errors import ConfigError
 from kvtier.memory.host import HostPool
 from kvtier.storage import file_io, make_backend
-from kvtier.storage.file import FileStore, FileStoreConfig, FsyncPolicy
+from kvtier.storage.file import FileStore
+from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/

@@ -10,10 +10,10 @@ publishes it atomically: a crash at any point leaves either no object or the who
 a visible partial one. (A rename across directories — the former ``tmp/`` — takes the file
 system's rename lock and journals two directories: it halved the save rate.) Temporary files of
 dead writers are removed at the next start (and any in the former ``tmp/``). Below the root
-every file is reached through directory descriptors, never through a link (``file_dirs``): a
-member of a shared store who swaps a directory for a link cannot aim writes, reads or deletions
-outside the root (a private store keeps its fan-out descriptors open: nobody else can swap
-them). Reads go straight into the host block (header into a small buffer, payload into the
+every file is reached through directory descriptors, never through a link (``file_dirs``,
+``file_objects``): a member of a shared store who swaps a directory for a link cannot aim
+writes, reads or deletions outside the root (a private store keeps its fan-out descriptors
+open: nobody else can swap them). Reads go straight into the host block (header into a small buffer, payload into the
 block: no extra copy) and check every header field and the payload checksum; a bad object is
 removed and reported as a miss. An object is read, or written, in one call without the GIL
 (``file_io.read_object``, native where ``kvtier._fileio`` is built), its payload hashed chunk by
@@ -37,12 +37,9 @@ fsync policy (``fsync``):
 
 from __future__ import annotations
 
-import errno
 import functools
-import itertools
 import logging
 import os
-import stat
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,27 +51,11 @@ import torch
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy
-from kvtier.storage.file_dirs import (
-    FANOUT_DIRS,
-    StoreDirs,
-    fanout_name,
-    object_name,
-    tmp_name,
-)
+from kvtier.storage.file_config import FileStoreConfig
+from kvtier.storage.file_dirs import FANOUT_DIRS, StoreDirs, fanout_name, object_name
 from kvtier.storage.file_index import LruIndex
-from kvtier.storage.file_io import (
-    OPEN_FLAGS,
-    CallersPriorityPool,
-    OnceLog,
-    ReadResult,
-    key_trailer,
-    read_object,
-    striped,
-    warn_if_open,
-    write_new,
-    zero,
-)
+from kvtier.storage.file_io import CallersPriorityPool, OnceLog, striped, warn_if_open, zero
+from kvtier.storage.file_objects import MAX_KEY_BYTES, ObjectFiles
 from kvtier.storage.format import HEADER_BYTES
 
 log = logging.getLogger(__name__)
@@ -85,7 +66,6 @@ RECENCY_GRANULARITY_S = 2.0
 # hand-offs cost milliseconds on a busy 2-core machine: measured 17 ms vs 0.8 ms for 8 x 64 KiB;
 # 15 x 1 MiB read 1.7x faster on two threads than inline).
 PARALLEL_MIN_BYTES = 4 << 20
-MAX_KEY_BYTES = 4096  # a storage key trailer is far shorter: a longer object is not ours
 
 
 class FileStore(StorageBackend):
@@ -108,8 +88,8 @@ class FileStore(StorageBackend):
         self.root = config.root
         self._dirs = StoreDirs(self.root, config.permissions.dir_mode)
         self._index = LruIndex()
-        self._tmp_counter = itertools.count()
         self._warn_once = OnceLog(f"file store {self.root}")
+        self._files = ObjectFiles(self._dirs, config, self._warn_once)
         try:
             self._dirs.open()
         except OSError as e:
@@ -170,7 +150,7 @@ class FileStore(StorageBackend):
         return StorageUsage(used, objects, self.config.capacity_bytes)
 
     def read_object(self, key: str) -> bytes | None:
-        fd = self._open_object(*object_name(key))
+        fd = self._files.open(*object_name(key))
         if fd is None:
             return None
         try:
@@ -183,10 +163,7 @@ class FileStore(StorageBackend):
 
     def write_object(self, key: str, data: bytes) -> None:
         fan, name = object_name(key)
-        tmp = tmp_name(self._tmp_counter)
-        with self._dirs.fanout(fan) as fan_fd:
-            self._write_tmp(tmp, fan_fd, [data])
-            os.replace(tmp, name, src_dir_fd=fan_fd, dst_dir_fd=fan_fd)
+        self._files.replace(fan, name, data)
         self._index.add(name, len(data))
 
     def close(self) -> None:
@@ -196,55 +173,11 @@ class FileStore(StorageBackend):
 
     # ---- one object -------------------------------------------------------------------------
 
-    def _open_object(self, fan: str, name: str) -> int | None:
-        """A descriptor of the object ``objects/<fan>/<name>``; None if there is none (or only
-        junk: a FIFO, a directory, a link — never followed, never waited on)."""
-        try:
-            with self._dirs.fanout(fan) as fan_fd:
-                fd = os.open(name, OPEN_FLAGS, dir_fd=fan_fd)
-        except FileNotFoundError:
-            return None
-        except (OSError, StorageError) as e:
-            if not isinstance(e, OSError) or e.errno not in (errno.ELOOP, errno.ENXIO):
-                self._warn_once("read", e)
-            return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
-        return fd
-
-    def _key_of(self, name: str) -> str | None:
-        """The storage key in object ``name``'s trailer, if it names that object."""
-        fd = self._open_object(name[:2], name)
-        key = None if fd is None else key_trailer(fd, self.object_bytes, MAX_KEY_BYTES)
-        return key if key is not None and object_name(key)[1] == name else None
-
-    def _read(self, fan: str, name: str, head, body, tail, want_hash: bool) -> ReadResult | None:
-        """``file_io.read_object`` of ``objects/<fan>/<name>``; None if there is no regular
-        file (a missing object, or junk: a FIFO, a directory, a link — never followed, never
-        waited on) or it could not be read (said once)."""
-        try:
-            with self._dirs.fanout(fan) as fan_fd:
-                found = read_object(fan_fd, name, head, body, tail, want_hash)
-                if found.err == errno.ENOENT and self._dirs.removed(fan_fd):
-                    with self._dirs.fanout(fan) as fresh_fd:  # the store was deleted: again
-                        found = read_object(fresh_fd, name, head, body, tail, want_hash)
-        except FileNotFoundError:
-            return None
-        except (OSError, StorageError) as e:
-            self._warn_once("read", e)
-            return None
-        if found.err:
-            if found.err not in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
-                self._warn_once("read", OSError(found.err, os.strerror(found.err)))
-            return None
-        return found if stat.S_ISREG(found.mode) else None
-
     def _header_ok(self, key: str) -> bool:
         """Is a sound object stored under ``key`` (right size, every header field checked)?"""
         fan, name = object_name(key)
         header = bytearray(HEADER_BYTES)
-        found = self._read(fan, name, header, [], None, False)
+        found = self._files.read(fan, name, header, [], None, False)
         if found is None:
             return False
         try:
@@ -266,7 +199,7 @@ class FileStore(StorageBackend):
         tensor = isinstance(target, torch.Tensor)
         views = [memoryview(target.numpy())] if tensor else list(target)
         verify_now = not tensor or checksums_out is None
-        found = self._read(fan, name, header, views, trailer, verify_now)
+        found = self._files.read(fan, name, header, views, trailer, verify_now)
         if found is None:
             return False
         try:
@@ -306,34 +239,14 @@ class FileStore(StorageBackend):
         buffers = [header, *views, key.encode()]
         try:
             try:
-                self._publish(fan, name, buffers)
+                self._files.publish(fan, name, buffers)
             except FileNotFoundError:  # a kept directory removed (the store deleted): again
-                self._publish(fan, name, buffers)
+                self._files.publish(fan, name, buffers)
         except (OSError, StorageError) as e:
             self._warn_once("write", e)
             return False
         self._index.add(name, self.object_bytes + len(key.encode()))
         return True
-
-    def _publish(self, fan: str, name: str, buffers: list) -> None:
-        """Write ``buffers`` to a temporary file in ``objects/<fan>`` and rename it ``name``."""
-        tmp = tmp_name(self._tmp_counter)
-        with self._dirs.fanout(fan) as fan_fd:
-            try:
-                self._write_tmp(tmp, fan_fd, buffers)
-                os.rename(tmp, name, src_dir_fd=fan_fd, dst_dir_fd=fan_fd)
-                if self.config.fsync is FsyncPolicy.FULL:
-                    os.fsync(fan_fd)
-            except FileNotFoundError:
-                self._dirs.removed(fan_fd)  # retires the kept descriptors if so
-                raise
-            except BaseException:
-                self._dirs.unlink(tmp, fan_fd)
-                raise
-
-    def _write_tmp(self, tmp: str, tmp_fd: int, buffers: list) -> None:
-        sync = self.config.fsync is not FsyncPolicy.NONE
-        write_new(tmp_fd, tmp, self.config.permissions.file_mode, buffers, sync)
 
     # ---- index and eviction -----------------------------------------------------------------
 
@@ -344,7 +257,8 @@ class FileStore(StorageBackend):
         if self._index.stale():
             self._rescan()  # learn about other processes' objects and accesses
         victims = self._index.victims(capacity)
-        keys = [self._key_of(n) if self._removal_listener else None for n in victims]
+        named = self._removal_listener is not None
+        keys = [self._files.key_of(n, self.object_bytes) if named else None for n in victims]
         self._evicted([k for k, n in zip(keys, victims) if self._remove(n[:2], n) and k])
         if victims:
             self.stats.add(evictions=len(victims))
@@ -367,12 +281,7 @@ class FileStore(StorageBackend):
         return self.root / "objects" / "/".join(object_name(key))
 
     def _remove(self, fan: str, name: str) -> bool:
-        try:
-            with self._dirs.fanout(fan) as fan_fd:
-                removed = self._dirs.unlink(name, fan_fd)
-        except (OSError, StorageError) as e:
-            self._warn_once("remove", e)
-            return False
+        removed = self._files.remove(fan, name)
         if removed:
             self._index.forget(name)
         return removed
