@@ -183,6 +183,31 @@ def test_a_save_still_unanswered_shows_a_slow_store_before_any_answer(monkeypatc
     assert d.blocks_to_load(14) == 14 and d.worth_saving(14)
 
 
+def test_save_probes_of_a_store_that_stays_slow_back_off_and_reset_once_taken() -> None:
+    """Each probe holds a request's blocks for as long as the slow store takes: while saves
+    stay declined the gap between probes doubles (2, 4, 8, ... up to PROBE_S); a save taken
+    again brings it back to STALE_S."""
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)
+    for n in (4, 8, 16):
+        d.loaded(n, 0.2 * n)  # 12x slower than recompute: saves declined
+    probes, t = [], 0.0
+    while t < 4 * decide.PROBE_S:
+        if d.worth_saving(8, now=t):
+            probes.append(t)
+        t += 0.5
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [decide.STALE_S, 2 * decide.STALE_S, 4 * decide.STALE_S, 8 * decide.STALE_S]
+    assert max(gaps) == decide.PROBE_S
+    for n in (4, 8, 16) * 3:
+        d.loaded(n, 0.0001 * n)  # the store is fast again: saves are taken
+    assert d.worth_saving(8, now=t)
+    for n in (4, 8, 16) * 3:
+        d.loaded(n, 0.2 * n)  # and slow again: probes start at STALE_S apart
+    assert d.worth_saving(8, now=t + 100)
+    assert d.worth_saving(8, now=t + 100 + decide.STALE_S)
+
+
 def test_a_slow_answered_save_keeps_its_floor_until_loads_or_a_fast_save_lift_it(
     monkeypatch,
 ) -> None:

@@ -13,12 +13,13 @@ dead writers are removed at the next start (and any in the former ``tmp/``). Bel
 every file is reached through directory descriptors, never through a link (``file_dirs``,
 ``file_objects``): a member of a shared store who swaps a directory for a link cannot aim
 writes, reads or deletions outside the root (a private store keeps its fan-out descriptors
-open: nobody else can swap them). Reads go straight into the host block (header into a small buffer, payload into the
-block: no extra copy) and check every header field and the payload checksum; a bad object is
-removed and reported as a miss. An object is read, or written, in one call without the GIL
-(``file_io.read_object``, native where ``kvtier._fileio`` is built), its payload hashed chunk by
-chunk as it lands: with four I/O threads the GIL hand-offs of nine Python system calls per
-object, not the disk, had set the pace (a warm verified load ran at 0.53x a raw read).
+open: nobody else can swap them). Reads go straight into the host block (header into a small
+buffer, payload into the block: no extra copy) and check every header field and the payload
+checksum; a bad object is removed and reported as a miss. An object is read, or written, in
+one call without the GIL (``file_io.read_object``, native where ``kvtier._fileio`` is built),
+its payload hashed chunk by chunk as it lands: with four I/O threads the GIL hand-offs of nine
+Python system calls per object, not the disk, had set the pace (a warm verified load ran at
+0.53x a raw read).
 
 Capacity: with ``capacity_bytes`` set, least-recently-used objects are removed once the total
 exceeds it. Recency is the file's mtime (bumped on every read), so the index rebuilt from the

@@ -43,8 +43,10 @@ a busy machine's queue of saves still says nothing.
 **Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
 either. Its save would be worth nothing (the next hit on it would be declined) and would cost
 the engine: a request keeps its vLLM blocks until its saves are written, so slow saves fill
-the KV cache and later requests queue for space. One declined save per ``STALE_S`` still goes
-out as a probe (none while a save is still unanswered: that one is).
+the KV cache and later requests queue for space. One declined save still goes out as a probe
+(none while a save is still unanswered: that one is), ``STALE_S`` after the last; while saves
+stay declined the gap doubles, up to ``PROBE_S`` (each probe holds a request's blocks for as
+long as the slow store takes), and it is ``STALE_S`` again once a save is taken.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class LoadOrRecompute:
         self.tiers: list[LinearFit] = [LinearFit()]  # seconds per load of n blocks, per tier
         self.engine = LinearFit()  # seconds per step of n tokens
         self._last_probe_at = self._first_tier_loaded_at = float("-inf")
+        self._save_probe_gap = STALE_S  # doubles while saves stay declined, up to PROBE_S
         self._probed_at: dict[int, float] = {}
         self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a waiting save
         self._saved_floor = 0.0  # s per block, from the last answered save, if it was slow
@@ -241,13 +244,17 @@ class LoadOrRecompute:
 
     def worth_saving(self, blocks: int, now: float | None = None) -> bool:
         """Save a prefix of ``blocks`` blocks (into the first tier)? Yes unless its load would
-        be declined; then no, but for one probe per ``STALE_S`` (module docstring) — none while
-        a save is still waiting (that one is the probe)."""
+        be declined; then no, but for a probe now and then (module docstring) — none while a
+        save is still waiting (that one is the probe)."""
         waiting, answered = self._floors()
         if blocks <= 0 or self._worth(blocks, b"", now, max(waiting, answered), False) > 0:
+            if blocks > 0:
+                self._save_probe_gap = STALE_S
             return True
         now = time.monotonic() if now is None else now
-        if now - self._last_probe_at < STALE_S or waiting:
+        if now - self._last_probe_at < self._save_probe_gap or waiting:
             return False
+        if now - self._last_probe_at < 2 * PROBE_S:  # declined since the last probe: back off
+            self._save_probe_gap = min(PROBE_S, 2 * self._save_probe_gap)
         self._last_probe_at = now
         return True
