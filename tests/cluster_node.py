@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 
-LOG_ENV = "KVTIER_ROLE_LOG"  # a file for the role's Mooncake output (default: an unnamed one)
+ROLE_LOG_ENV = "KVTIER_ROLE_LOG"  # a file for the role's Mooncake output (default: an unnamed one)
 
 
 def main(argv: list[str]) -> int:
     role, host = argv[0], argv[1]
-    log = os.environ.get(LOG_ENV)  # keep the Mooncake process's output there
+    log = os.environ.get(ROLE_LOG_ENV)  # keep the Mooncake process's output there
     if role == "master":
         started = LocalMaster(host=host, log_path=log).start()
         info = {"master_address": started.master_address, "metadata": started.metadata_server}

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 
+from cluster_node import ROLE_LOG_ENV
 from kvtier_bench.netns import Namespaces, namespaces_unavailable
 
 __all__ = ["Namespaces", "listeners", "namespaces_unavailable", "start_role"]
@@ -76,7 +77,7 @@ def start_role(
         env={
             **os.environ,
             "PYTHONPATH": os.pathsep.join(sys.path),
-            **({"KVTIER_ROLE_LOG": log} if log else {}),
+            **({ROLE_LOG_ENV: log} if log else {}),
         },
     )
     assert process.stdout is not None

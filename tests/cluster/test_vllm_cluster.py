@@ -14,7 +14,6 @@ import itertools
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -164,9 +163,9 @@ def _hits_come_back(cluster, seed: int) -> float:
         )
 
 
-def _said(log: Path) -> list[str]:
-    """Mooncake's warnings and errors in ``log`` (glog's ``W``/``E`` lines), the last 40."""
-    lines = log.read_text(errors="replace").splitlines()
+def _said(text: str) -> list[str]:
+    """Mooncake's warnings and errors in a log (glog's ``W``/``E`` lines), the last 40."""
+    lines = text.splitlines()
     return [line for line in lines if line[:1] in "WE" and line[1:5].isdigit()][-40:]
 
 
@@ -176,11 +175,12 @@ def _logs(*servers: Server) -> str:
     stalled), then the log's end — and kvtier's lines in its server log."""
     out = []
     for role in sorted(servers[0].workdir.parent.glob("*.log")):  # master.log, node.log
-        out += [f"--- {role}: W/E lines", *_said(role)]
+        out += [f"--- {role}: W/E lines", *_said(role.read_text(errors="replace"))]
     for server in servers:
         for log in sorted(server.tmpdir.glob("kvtier-launch-*/rank*.log")):
-            out += [f"--- {log}: Mooncake's W/E lines", *_said(log)]
-            out.append(f"--- {log}: the end\n{log.read_text(errors='replace')[-1500:]}")
+            text = log.read_text(errors="replace")
+            out += [f"--- {log}: Mooncake's W/E lines", *_said(text)]
+            out.append(f"--- {log}: the end\n{text[-1500:]}")
         lines = server.log_path.read_text(errors="replace").splitlines()
         out.append(f"--- {server.log_path}: kvtier lines")
         out += [line for line in lines if "kvtier" in line and "non-default args" not in line][-15:]

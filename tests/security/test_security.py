@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 from conftest import SPECS
-from kvtier.errors import ConfigError, DeviceCacheError, UnsafeFile, WorkerError
+from kvtier.errors import ConfigError, DeviceCacheError, StorageError, UnsafeFile, WorkerError
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostPool
 from kvtier.memory.shm import SHM_DIR
 from kvtier.storage.file import FileStore
+from kvtier.storage.mooncake_local import _log_file
 from kvtier.transport.endpoint import EndpointClaim
 from kvtier.worker.config import WorkerConfig, default_socket_dir
 
@@ -391,3 +392,26 @@ def test_a_client_cannot_queue_unbounded_work_and_heartbeats_keep_flowing(tmp_pa
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_mooncake_role_log_is_never_a_link_a_fifo_or_anothers_file(tmp_path) -> None:
+    """A local master's or storage node's log (``log_path``) is appended to only if it is a
+    regular file of this user: a link planted at its name (aimed at a file of ours), a FIFO
+    (never waited on) and, as root, another account's file are refused; a fresh log is 0600."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"kept")
+    (tmp_path / "link.log").symlink_to(victim)
+    os.mkfifo(tmp_path / "fifo.log")
+    for name in ("link.log", "fifo.log"):
+        with pytest.raises(StorageError):
+            _log_file(str(tmp_path / name))
+    assert victim.read_bytes() == b"kept"
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs.log"
+        theirs.write_bytes(b"")
+        os.chown(theirs, NOBODY, NOBODY)
+        with pytest.raises(StorageError):
+            _log_file(str(theirs))
+    with _log_file(str(tmp_path / "fresh.log")) as log:
+        log.write(b"line\n")
+    assert stat.S_IMODE((tmp_path / "fresh.log").stat().st_mode) == 0o600

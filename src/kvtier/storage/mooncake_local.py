@@ -16,6 +16,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -243,11 +244,20 @@ class LocalStoreNode:
 
 
 def _log_file(path: str | None) -> BinaryIO:
-    """A process's log: ``path`` appended to (created private; a link there is refused), or an
-    unnamed file that lives as long as the process."""
+    """A process's log: ``path`` appended to (created private; a link, a file that is not
+    regular or not this user's is refused), or an unnamed file that lives as long as the
+    process."""
     if path is None:
         return tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        raise StorageError(f"cannot open the log {path}: {e}") from None
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+        os.close(fd)
+        raise StorageError(f"the log {path} is not a regular file of this user: refused")
     return os.fdopen(fd, "ab+")
 
 
