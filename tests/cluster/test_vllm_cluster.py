@@ -28,7 +28,13 @@ SEGMENT_BYTES = 256 << 20  # the storage node's share: every object of this test
 SMALL_SEGMENT_BYTES = 24 << 20  # the replacement node: ~4 prompts of 1 MiB objects, then evicts
 FAULT_BOUND_S = 180.0  # one request while the store is gone: a recompute, never a hang
 OUTAGE_S = 15.0  # the node's link down: past Mooncake's call deadline (10 s) and its lease
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two ranks on two cores (reserved: 0)
+# C's two ranks share the 2 cores unpinned. Pinned one per core ("0|1"), with the engine tests'
+# TP=2 server pinned the same way beside this module, this 2-vCPU machine stopped running
+# everything else for 10-25 s at a time (measured from /proc: the Mooncake master's threads,
+# a 0.2 s sampler and a shell loop all runnable and waiting, while one pinned rank ran 9 s of
+# an 11 s gap). Past Mooncake's 10 s client TTL the master unmounted the storage node, and C's
+# puts failed ("insufficient space"): 3 of 4 runs. Unpinned, the longest gap was 3.1 s.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # two ranks on two cores (reserved: 0)
 
 
 @pytest.fixture(scope="module")
@@ -211,25 +217,14 @@ def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster, fi
     assert loaded == 0
     assert _saved(c, 2 * blocks, before), _logs(c)  # both ranks' objects
     assert _loaded(c, PROMPTS[0]) == (first, 2 * blocks * BLOCK)
-    # C's saves must have landed before A looks (else A's miss proves nothing). A save
-    # answered other than OK (seen in 2 of 3 full-suite runs, never with this module alone;
-    # the counts by status are kept in the figures) costs a recompute in service; here it
-    # costs a fresh prompt, at most twice.
-    failed_saves = []
-    for attempt in range(3):
-        only_c = [(23 * j + attempt) % 900 + 30 for j in range(700)]
-        before = c.kvtier_stats()
-        c_tokens = c.complete(only_c)
-        if _saved(c, 2 * blocks, before):
-            break
-        failed_saves.append([r.get("tasks", {}).get("save") for r in c.kvtier_stats()])
-        # The cause, for the next reader: what C's workers and server said of the save.
-        figures.setdefault("logs_after_each_failure", []).append(_logs(c))
-    else:
-        pytest.fail(f"C's saves failed 3 times: {failed_saves}\n{_logs(c)}")
-    figures["prompts_until_saved"] = attempt + 1
-    if failed_saves:
-        figures["save_counts_per_rank_after_each_failure"] = failed_saves
+    # C's saves must have landed before A looks (else A's miss proves nothing): one prompt, no
+    # second chance; a failed save fails the test with what the master, node and workers said.
+    only_c = [(23 * j) % 900 + 30 for j in range(700)]
+    before = c.kvtier_stats()
+    c_tokens = c.complete(only_c)
+    started = time.monotonic()
+    assert _saved(c, 2 * blocks, before), f"{_saves(c.kvtier_stats())}\n{_logs(c)}"
+    figures["tp2_saves_landed_after_s"] = round(time.monotonic() - started, 2)
     a_tokens, loaded = _loaded(a, only_c)
     assert loaded == 0
     assert _loaded(a, only_c)[0] == a_tokens  # a hit of A's own saves: A's tokens
