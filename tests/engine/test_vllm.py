@@ -25,9 +25,9 @@ SCENARIO_TIMEOUT_S = 600
 
 def run(scenario: str, **args) -> dict[str, dict]:
     env = dict(os.environ)
-    if args.get("tp", 1) > 1:  # two CPU workers sharing the two cores, unpinned: pinned one per
-        # core, beside another TP=2 server, they starved the rest of the machine for 10-25 s
-        # (see TP2_ENV in tests/cluster/test_vllm_cluster.py)
+    # Two CPU workers share the two cores unpinned: pinned one per core beside another TP=2
+    # server, they starved the rest of the machine for 10-25 s (TP2_ENV in the cluster test).
+    if args.get("tp", 1) > 1:
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     out = subprocess.run(
         [sys.executable, str(TESTS / "vllm_engine.py"), scenario, json.dumps(args)],
