@@ -7,6 +7,11 @@
  * into page-first host blocks happen in the same memcpy, which torch's index_select/index_copy_
  * can only do in two passes through a staging buffer.
  *
+ * copy_indexed(...) is the same copy with the addresses computed here from each side's piece
+ * bases and strides and the block ids. A copy under 1 MiB on one thread keeps the GIL: it takes
+ * microseconds, and a thread that lets the GIL go may wait for another thread's whole switch
+ * interval (5 ms) to get it back.
+ *
  * The caller guarantees every range is valid and that no two destination ranges overlap; the
  * Python side (kvtier.copier) validates block ids before computing any pointer.
  */
@@ -268,6 +273,96 @@ fail:
     return NULL;
 }
 
+/* Pieces of blocks addressed by id: piece p of block b lies at base[p] + id[b] * stride[p]. */
+typedef struct {
+    const int64_t *base;
+    const int64_t *stride;
+    const int64_t *ids;
+} Indexed;
+
+static int get_indexed(PyObject *base_obj, PyObject *stride_obj, PyObject *ids_obj,
+                       Py_buffer views[3], Indexed *out, const char *const names[3]) {
+    PyObject *objs[3] = {base_obj, stride_obj, ids_obj};
+    for (int k = 0; k < 3; k++) {
+        if (get_int64_buffer(objs[k], &views[k], names[k]) < 0) {
+            for (int j = 0; j < k; j++) PyBuffer_Release(&views[j]);
+            return -1;
+        }
+    }
+    *out = (Indexed){views[0].buf, views[1].buf, views[2].buf};
+    return 0;
+}
+
+static void release_views(Py_buffer *views, int n) {
+    for (int k = 0; k < n; k++) PyBuffer_Release(&views[k]);
+}
+
+/* Run copy_span over pointer lists built here, block-major: no temporary arrays in Python. */
+static PyObject *copy_indexed(PyObject *self, PyObject *args) {
+    PyObject *db, *ds, *di, *sb, *ss, *si, *size_obj;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOi", &db, &ds, &di, &sb, &ss, &si, &size_obj,
+                          &num_threads)) {
+        return NULL;
+    }
+    Py_buffer views[7];
+    Indexed dst, src;
+    static const char *const dst_names[3] = {"dst_base", "dst_stride", "dst_ids"};
+    static const char *const src_names[3] = {"src_base", "src_stride", "src_ids"};
+    if (get_indexed(db, ds, di, views, &dst, dst_names) < 0) return NULL;
+    if (get_indexed(sb, ss, si, views + 3, &src, src_names) < 0) {
+        release_views(views, 3);
+        return NULL;
+    }
+    if (get_int64_buffer(size_obj, &views[6], "sizes") < 0) {
+        release_views(views, 6);
+        return NULL;
+    }
+    Py_ssize_t pieces = views[6].len / 8, blocks = views[2].len / 8;
+    const int64_t *sz = (const int64_t *)views[6].buf;
+    if (views[0].len / 8 != pieces || views[1].len / 8 != pieces || views[3].len / 8 != pieces ||
+        views[4].len / 8 != pieces || views[5].len / 8 != blocks) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bases, strides and sizes differ in length, or the id lists do");
+        release_views(views, 7);
+        return NULL;
+    }
+    Py_ssize_t n = pieces * blocks;
+    int64_t *table = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 3 * sizeof(int64_t));
+    if (table == NULL) {
+        release_views(views, 7);
+        return PyErr_NoMemory();
+    }
+    int64_t *dp = table, *sp = table + n, *np_ = table + 2 * n, total = 0;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        for (Py_ssize_t p = 0; p < pieces; p++) {
+            Py_ssize_t i = b * pieces + p;
+            dp[i] = dst.base[p] + dst.ids[b] * dst.stride[p];
+            sp[i] = src.base[p] + src.ids[b] * src.stride[p];
+            np_[i] = sz[p];
+            total += sz[p];
+        }
+    }
+    release_views(views, 7);
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > blocks) num_threads = (int)(blocks > 0 ? blocks : 1);
+    Span spans[MAX_THREADS];
+    for (int t = 0; t < num_threads; t++) {  /* whole blocks per thread: sizes repeat per block */
+        spans[t] = (Span){dp, sp, np_, pieces * (blocks * t / num_threads),
+                          pieces * (blocks * (t + 1) / num_threads)};
+    }
+    if (num_threads == 1 && total < (1 << 20)) {
+        run_spans(copy_span, spans, sizeof(Span), 1); /* microseconds: keep the GIL */
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        run_spans(copy_span, spans, sizeof(Span), num_threads);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(table);
+    return PyLong_FromLongLong(total);
+}
+
 static PyObject *copy_blocks_hashed(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *src_obj, *size_obj, *hash_obj;
     Py_ssize_t per_block;
@@ -378,6 +473,9 @@ static PyMethodDef methods[] = {
     {"copy_blocks_verified", copy_blocks_verified, METH_VARARGS,
      "copy_blocks_verified(dst_ptrs, src_ptrs, sizes, pieces_per_block, expected, ok, threads)"
      " -> blocks; block b is copied only if ok[b] on entry and its source hashes to expected[b]"},
+    {"copy_indexed", copy_indexed, METH_VARARGS,
+     "copy_indexed(dst_base, dst_stride, dst_ids, src_base, src_stride, src_ids, sizes, threads)"
+     " -> total bytes; piece p of block b: base[p] + ids[b] * stride[p], sizes[p] bytes"},
     {"copy_pieces", copy_pieces, METH_VARARGS,
      "copy_pieces(dst_ptrs, src_ptrs, sizes, num_threads) -> total bytes copied"},
     {NULL, NULL, 0, NULL},

@@ -72,6 +72,11 @@ def test_swap_in_to_other_blocks_and_extra_layers(copier_cls, name: str) -> None
             copier.swap_out([30], [0])
 
 
+def _strided(ids: list[int]) -> torch.Tensor:
+    """The ids as a view with a step (not contiguous): the native copy must still read them."""
+    return torch.tensor(ids).repeat_interleave(2)[::2]
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -84,7 +89,7 @@ def test_any_valid_id_lists_round_trip(data, copier_cls) -> None:
         k = data.draw(st.integers(0, min(spec.num_blocks, pool.num_blocks)))
         dev_ids = data.draw(st.permutations(range(spec.num_blocks)))[:k]
         host_ids = data.draw(st.permutations(range(pool.num_blocks)))[:k]
-        as_type = data.draw(st.sampled_from([list, np.array, torch.tensor]))
+        as_type = data.draw(st.sampled_from([list, np.array, torch.tensor, _strided]))
         copier = copier_cls(cache, pool)
         expected = {d: block_bytes_of(cache, d) for d in dev_ids}
         copier.swap_out(as_type(dev_ids) if k else [], as_type(host_ids) if k else [])

@@ -97,6 +97,32 @@ def test_a_lookups_tiers_are_the_slowest_ranks_over_the_blocks_every_rank_holds(
     assert aggregate(task, plain).tiers == b""
 
 
+def test_one_ranks_answer_aggregates_as_two_identical_ranks_would() -> None:
+    """The one-rank shortcut gives what the general fan-in gives (a second rank answering
+    the same, message aside), field for field."""
+    task = t.Lookup(task_id=11, block_hashes=hashes(3))
+    one = t.Result(
+        task_id=11,
+        status=t.Status.PARTIAL,
+        blocks=[4, 5],
+        count=3,
+        bytes_moved=64,
+        seconds=0.25,
+        message="short",
+        code=t.Code.CONFLICT,
+        rank=0,
+        removed=[b"a" * 16, b"b" * 16, b"a" * 16],
+        all_removed=True,
+        tiers=bytes([0, 2, 1, 1]),
+    )
+    twin = msgspec.structs.replace(one, rank=1, message="", bytes_moved=0)
+    alone, general = aggregate(task, {0: one}), aggregate(task, {0: one, 1: twin})
+    assert msgspec.structs.asdict(alone) == msgspec.structs.asdict(general)
+    assert alone.message == "rank 0: short" and alone.rank == -1 and alone.tiers == bytes([0, 2, 1])
+    quiet = aggregate(task, {0: t.Result(task_id=11, status=t.Status.OK, rank=0)})
+    assert (quiet.message, quiet.removed, quiet.tiers, quiet.task_id) == ("", [], b"", 11)
+
+
 # ---- DataPath ---------------------------------------------------------------------------------
 
 

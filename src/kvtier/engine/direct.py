@@ -82,10 +82,11 @@ class DirectCalls:
             for r in self._ranks:
                 line.channel.send(r.position, payload)
             results: dict[int, t.Result] = {}
-            while len(results) < len(self._ranks):
-                for position, message in self._receive(line.channel, task, deadline):
-                    if isinstance(message, t.Result) and message.task_id == task.task_id:
-                        results[position] = message
+            for r in self._ranks:  # each rank's answer in turn; the others' wait in their sockets
+                while r.position not in results:
+                    for message in self._receive(line.channel, r.position, task, deadline):
+                        if isinstance(message, t.Result) and message.task_id == task.task_id:
+                            results[r.position] = message
         return aggregate(task, results)
 
     def close(self) -> None:
@@ -103,13 +104,17 @@ class DirectCalls:
 
     # ---- one call ---------------------------------------------------------------------------
 
-    def _receive(self, channel: Channel, task: Any, deadline: float) -> list[tuple[int, Any]]:
+    def _receive(self, channel: Channel, position: int, task: Any, deadline: float) -> list[Any]:
+        """The messages of ``position``'s next frame; none when ``CHECK_INTERVAL_S`` passed
+        without one, after looking at every rank's health (a lost one raises WorkerLost)."""
         now = time.monotonic()
         if now > deadline:
             raise TaskTimeout(f"task {task.task_id} ({t.task_name(task)}): not answered in time")
-        received = channel.receive(min(CHECK_INTERVAL_S, deadline - now))
-        self._check_ranks(task)
-        return [(position, m) for position, payload in received for m in _messages(payload)]
+        payload = channel.receive(position, min(CHECK_INTERVAL_S, deadline - now))
+        if payload is None:
+            self._check_ranks(task)
+            return []
+        return _messages(payload)
 
     def _check_ranks(self, task: Any) -> None:
         for r in self._ranks:
@@ -146,17 +151,20 @@ class DirectCalls:
     def _welcomed(self, channel: Channel) -> bool:
         for r in self._ranks:
             channel.send(r.position, self._hello)
-        waiting = {r.position for r in self._ranks}
         deadline = time.monotonic() + HELLO_WAIT_S
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            for position, payload in channel.receive(left):
+        for r in self._ranks:
+            welcomed = False
+            while not welcomed:
+                left = deadline - time.monotonic()
+                payload = channel.receive(r.position, left) if left > 0 else None
+                if payload is None:
+                    return False
                 for message in _messages(payload):
-                    if not isinstance(message, t.Welcome):
-                        continue
-                    if not message.accepted:
-                        return False
-                    waiting.discard(position)
-        return not waiting
+                    if isinstance(message, t.Welcome):
+                        if not message.accepted:
+                            return False
+                        welcomed = True
+        return True
 
 
 def _messages(payload: bytes) -> list[Any]:

@@ -11,6 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvtier.transport import tasks as t
 
 
@@ -40,6 +42,16 @@ def aggregate(task: Any, results: dict[int, t.Result]) -> t.Result:
     slowest rank; ``count`` (lookup: found; save: already stored) the smallest; ``code``
     (control) the worst; ``removed`` blocks the union; ``tiers`` (lookup) per block the slowest.
     """
+    if len(results) == 1:  # one rank (every call of a TP=1 engine): its answer, relabelled
+        (only,) = results.values()
+        return msgspec.structs.replace(
+            only,
+            task_id=task.task_id,
+            rank=-1,
+            message=f"rank {only.rank}: {only.message}" if only.message else "",
+            removed=list(dict.fromkeys(only.removed)) if only.removed else [],
+            tiers=_slowest_tiers([only]) if only.tiers else b"",
+        )
     ordered = [results[r] for r in sorted(results)]
     worst = max(ordered, key=lambda res: t.STATUS_ORDER[res.status])
     shortest = min((res.blocks for res in ordered), key=len)

@@ -30,7 +30,7 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
         raise InvalidBlockIds(
             f"{what} must be a flat list of integers, got {arr.dtype} {arr.shape}"
         )
-    return arr.astype(np.int64, copy=False)
+    return np.ascontiguousarray(arr, dtype=np.int64)  # native copies read it as a buffer
 
 
 def check_block_ids(ids: np.ndarray, limit: int, what: str, *, destination: bool = False) -> None:

@@ -101,8 +101,10 @@ class Channel(ABC):
     def send(self, rank: int, payload: bytes) -> None: ...
 
     @abstractmethod
-    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
-        """(rank, payload) pairs that arrived, waiting up to ``timeout_s`` for the first."""
+    def receive(self, rank: int, timeout_s: float) -> bytes | None:
+        """The next message from ``rank``, waiting up to ``timeout_s``; None if none came. A
+        caller that needs every rank's answer waits on each rank in turn: what another rank
+        sends meanwhile waits in that rank's connection."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -32,7 +32,7 @@ NOBLOCK = int(zmq.NOBLOCK)
 SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
-_RCVMORE = int(zmq.RCVMORE)
+_RCVTIMEO = int(zmq.RCVTIMEO)
 
 
 def configure(sock: zmq.Socket) -> zmq.Socket:
@@ -131,12 +131,17 @@ class ZmqServer(ServerTransport):
             self.zap.handle()
         if self.answers in events:
             self._forward_answers()
-        out = []
-        if self.router in events:
-            while _readable(self.router):
-                frames = _recv_frames(self.router)
+        out: list[tuple[Peer, bytes]] = []
+        if self.router in events:  # poll saw a message: read it before asking for more
+            while True:
+                try:
+                    frames = _recv_frames(self.router)
+                except zmq.Again:  # gone since the poll (a peer's pipe ended): nothing to read
+                    return out
                 if len(frames) >= 2:
                     out.append((frames[0], frames[-1]))
+                if not _readable(self.router):
+                    return out
         return out
 
     def _forward_answers(self) -> None:
@@ -234,16 +239,18 @@ class ZmqClient(ClientTransport):
 
 
 class ZmqChannel(Channel):
-    """A DEALER per rank, for one calling thread (``kvtier.engine.direct``)."""
+    """A DEALER per rank, for one calling thread (``kvtier.engine.direct``).
+
+    A receive is one blocking ``recv`` with the socket's receive timeout (set again only when
+    the wait asked for changes): no poller and no readiness query, each of which costs a
+    libzmq call (asking a socket for its events processes its command queue) on every answer.
+    """
 
     def __init__(
         self, context: zmq.Context, endpoints: Sequence[str], curve: CurveKeys | None
     ) -> None:
         self.sockets = [dealer(context, endpoint, curve) for endpoint in endpoints]
-        self._rank_of = {sock: rank for rank, sock in enumerate(self.sockets)}
-        self.poller = zmq.Poller()
-        for sock in self.sockets:
-            self.poller.register(sock, zmq.POLLIN)
+        self._timeouts_ms = [-1] * len(self.sockets)  # each socket's RCVTIMEO now (-1: none)
 
     def send(self, rank: int, payload: bytes) -> None:
         try:  # a rank with no live connection: its answer never comes; the call times out
@@ -251,13 +258,16 @@ class ZmqChannel(Channel):
         except zmq.Again:
             pass
 
-    def receive(self, timeout_s: float) -> list[tuple[int, bytes]]:
-        out = []
-        for sock, _ in self.poller.poll(int(timeout_s * 1000)):
-            rank = self._rank_of[sock]
-            while _readable(sock):
-                out.append((rank, sock.recv(NOBLOCK)))
-        return out
+    def receive(self, rank: int, timeout_s: float) -> bytes | None:
+        sock = self.sockets[rank]
+        timeout_ms = max(0, int(timeout_s * 1000))
+        if timeout_ms != self._timeouts_ms[rank]:
+            sock.setsockopt(_RCVTIMEO, timeout_ms)
+            self._timeouts_ms[rank] = timeout_ms
+        try:
+            return sock.recv()
+        except zmq.Again:
+            return None
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -285,10 +295,13 @@ def _readable(sock: zmq.Socket) -> bool:
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """A whole message that ``_readable`` said waits, frame by frame."""
-    frames = [sock.recv(NOBLOCK)]
-    while sock.get(_RCVMORE):
-        frames.append(sock.recv(NOBLOCK))
+    """A whole message that waits, frame by frame (each frame says whether more follow: no
+    socket option read per frame, which costs pyzmq an enum lookup)."""
+    frame = sock.recv(NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(NOBLOCK, copy=False)
+        frames.append(frame.bytes)
     return frames
 
 

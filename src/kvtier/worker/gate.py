@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Hashable
 from enum import Enum
 from typing import Any
@@ -62,25 +62,32 @@ class Gate:
         self.max_pending = max_pending
         self.max_ids_per_owner = max_ids_per_owner
         self._weigh = weigh
-        self._cond = threading.Condition()
+        # Taken directly on the per-task path (``with self._lock``: no Python-level __enter__);
+        # the condition over it serves wait_idle.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self.state = WorkerState.RUNNING
         self.in_flight = 0
         self._held: deque[Any] = deque()
-        self._queued_ids: Counter = Counter()  # owner -> ids admitted, not done
+        self._queued_ids: dict[Hashable, int] = {}  # owner -> ids admitted, not done (> 0)
+        self._idle_waiters = 0  # threads in wait_idle: only they need a notify
 
     def admit(self, item: Any, submit: Callable[[Any], None]) -> Refusal | None:
         owner, ids = self._weigh(item)
-        with self._cond:
-            if self.state is WorkerState.STOPPING:
+        with self._lock:
+            state = self.state
+            if state is WorkerState.STOPPING:
                 return Refusal.STOPPING
-            if self.state is WorkerState.SLEEPING:
+            if state is WorkerState.SLEEPING:
                 return Refusal.SLEEPING
             if self.in_flight + len(self._held) >= self.max_pending:
                 return Refusal.FULL
-            if ids and self._queued_ids[owner] + ids > self.max_ids_per_owner:
+            queued = self._queued_ids.get(owner, 0) + ids
+            if ids and queued > self.max_ids_per_owner:
                 return Refusal.OWNER_FULL
-            self._queued_ids[owner] += ids
-            if self.state in HOLDING_STATES:
+            if queued:
+                self._queued_ids[owner] = queued
+            if state in HOLDING_STATES:
                 self._held.append(item)
                 return None
             self.in_flight += 1
@@ -89,25 +96,32 @@ class Gate:
 
     def done(self, *items: Any) -> None:
         """``items`` (admitted, submitted) have finished or were cancelled."""
-        with self._cond:
+        with self._lock:
             self.in_flight -= len(items)
             self._release(items)
-            self._cond.notify_all()
+            if self._idle_waiters:
+                self._cond.notify_all()
 
     def queued_ids(self, owner: Hashable) -> int:
-        with self._cond:
-            return self._queued_ids[owner]
+        with self._lock:
+            return self._queued_ids.get(owner, 0)
 
     def _release(self, items) -> None:
         for item in items:
             owner, ids = self._weigh(item)
-            self._queued_ids[owner] -= ids
-            if self._queued_ids[owner] <= 0:
-                del self._queued_ids[owner]
+            left = self._queued_ids.get(owner, 0) - ids
+            if left > 0:
+                self._queued_ids[owner] = left
+            else:
+                self._queued_ids.pop(owner, None)
 
     def wait_idle(self, timeout_s: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self.in_flight == 0, timeout_s)
+            self._idle_waiters += 1
+            try:
+                return self._cond.wait_for(lambda: self.in_flight == 0, timeout_s)
+            finally:
+                self._idle_waiters -= 1
 
     def set_state(self, state: WorkerState) -> WorkerState:
         with self._cond:

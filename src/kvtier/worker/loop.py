@@ -358,4 +358,4 @@ class Worker:
 def _weigh(item: Item) -> tuple[Peer, int]:
     """A task's owner (its peer) and size: every block id and hash it carries."""
     peer, task, _ = item
-    return peer, sum(len(getattr(task, name)) for name in t.LIST_FIELDS[type(task)])
+    return peer, t.id_count(task)

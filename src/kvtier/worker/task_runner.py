@@ -204,9 +204,11 @@ class TaskRunner:
         )
         # Storage transfers are logged like the old system did (block count, elapsed time);
         # swaps and lookups, thousands a second, only at DEBUG. Numbers go to stats().
-        quiet = t.DIRECTIONS[type(task)] in QUIET_DIRECTIONS
+        level = logging.DEBUG if t.DIRECTIONS[type(task)] in QUIET_DIRECTIONS else logging.INFO
+        if not log.isEnabledFor(level):
+            return
         log.log(
-            logging.DEBUG if quiet else logging.INFO,
+            level,
             "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms",
             self.rank,
             kind,
