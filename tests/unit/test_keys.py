@@ -106,6 +106,32 @@ def test_key_scheme() -> None:
         scheme.with_version("RL" * 1000)
 
 
+def test_keys_built_again_from_the_cache_are_the_same_and_bad_hashes_still_refused(
+    monkeypatch,
+) -> None:
+    scheme = KeyScheme("m", "c22cf1da9e80e87b", rank=1, version="v1")
+    hashes = block_hashes(range(16 * 40), 16)
+    first = scheme.keys(hashes)
+    assert first == [scheme.key(h) for h in hashes]
+    assert scheme.keys(hashes[5:9]) == first[5:9]  # all cached now
+    assert scheme.with_version("v2").keys(hashes[:1]) != first[:1]  # a version's own keys
+    with pytest.raises(InvalidBlockHash, match="block hash 2 has 8 bytes"):
+        scheme.keys([hashes[0], hashes[1], hashes[2][:8]])  # two cached, then a bad one
+    with pytest.raises(InvalidBlockHash, match="block hash 1 must be bytes"):
+        scheme.keys([hashes[0], bytearray(hashes[1])])  # type: ignore[list-item]
+    # Bounded: a scheme never holds more than KEY_CACHE_ENTRIES keys, and a batch larger than
+    # that is built, correct, and not kept.
+    monkeypatch.setattr(keys_module, "KEY_CACHE_ENTRIES", 50)
+    fresh = KeyScheme("m", "c22cf1da9e80e87b", rank=1, version="v1")
+    assert fresh.keys(hashes[:30]) == first[:30]
+    assert fresh.keys(hashes[30:]) == first[30:]
+    assert len(fresh._cache) == 40
+    assert fresh.keys(hashes[:5] + block_hashes(range(16 * 20, 16 * 35), 16)[-15:])[:5] == first[:5]
+    assert len(fresh._cache) == 20  # 40 + 20 is over the bound: emptied, then these 20 kept
+    assert fresh.keys(block_hashes(range(16 * 60), 16))[:40] == first  # 60: not kept at all
+    assert len(fresh._cache) == 0
+
+
 def test_weight_version(tmp_path, caplog) -> None:
     keys_module._warned_version_paths.clear()
     (tmp_path / "version.yaml").write_text("version: RL-STEP03-20250101-1f2e3d\n")

@@ -27,7 +27,7 @@ import stat
 import struct
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
@@ -47,6 +47,9 @@ VERSION_FILE_MAX_BYTES = 4096
 ROOT_PARENT = bytes(HASH_BYTES)
 _DOMAIN = b"kvtier-block-v1\0"
 KEY_SCHEME = "kv1"
+# Keys a KeyScheme keeps built (~200 bytes each with its hash: ~6 MiB): 32k blocks, half a
+# million tokens of prefixes at 16 tokens a block.
+KEY_CACHE_ENTRIES = 1 << 15
 VERSION_FILE = "version.yaml"
 _VERSION_RE = re.compile(r"^(RL-STEP\d+)(?:-|$)")
 _warned_version_paths: set[str] = set()
@@ -120,10 +123,16 @@ class KeyScheme:
     fingerprint: str
     rank: int = 0
     version: str = ""
+    # Keys built lately, by block hash (bounded by KEY_CACHE_ENTRIES; emptied when full): an
+    # engine asks for the same prefixes step after step, and a cached key costs a dict lookup
+    # instead of a hex encoding and two concatenations. Only checked hashes are put in.
+    _cache: dict[bytes, str] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
-        for field in ("namespace", "version", "fingerprint"):
-            value = getattr(self, field)
+        for name in ("namespace", "version", "fingerprint"):
+            value = getattr(self, name)
             if (
                 not isinstance(value, str)
                 or re.search(r"[:\s]", value)
@@ -131,7 +140,7 @@ class KeyScheme:
             ):
                 shown = value[:40] if isinstance(value, str) else value
                 raise ConfigError(
-                    field,
+                    name,
                     f"must be text of at most {MAX_FIELD_CHARS} characters without ':' or "
                     f"whitespace, got {shown!r}",
                 )
@@ -160,9 +169,19 @@ class KeyScheme:
         return KeyParts(fields[1], fields[2], fields[3], fields[4], int(fields[5]))
 
     def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        cache = self._cache
+        try:  # every hash seen lately (so checked then): C-speed
+            return list(map(cache.__getitem__, block_hashes))
+        except (KeyError, TypeError):  # one not seen, or not hashable (not bytes)
+            pass
         check_block_hashes(block_hashes)
         head, tail = self._around_hash
-        return [head + h.hex() + tail for h in block_hashes]
+        keys = [head + h.hex() + tail for h in block_hashes]
+        if len(cache) + len(keys) > KEY_CACHE_ENTRIES:
+            cache.clear()
+        if len(keys) <= KEY_CACHE_ENTRIES:
+            cache.update(zip(block_hashes, keys))
+        return keys
 
     def with_version(self, version: str) -> KeyScheme:
         return KeyScheme(self.namespace, self.fingerprint, self.rank, version)
