@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -78,11 +79,14 @@ def test_a_mooncake_master_that_is_down_is_found_before_workers_start(tmp_path) 
     assert took < 10
 
 
-def test_help_pages_show_no_empty_defaults() -> None:
+def test_help_pages_show_no_empty_or_repeated_defaults() -> None:
+    """"(default: None)" twice, and "(default: 2) (default: 2.0)" on `bench latency --seconds`."""
     for command in (["demo"], ["status"], ["store", "stats"], ["bench", "latency"]):
         out = kvtier(*command, "--help")
         assert out.returncode == 0, out.stderr
         assert "(default: None)" not in out.stdout, command
+        for option in re.split(r"\n  (?=-)", out.stdout):  # one option's help at a time
+            assert option.count("(default:") <= 1, (command, option)
 
 
 def test_store_stats_json_gives_numbers_not_words(tmp_path) -> None:

@@ -37,10 +37,16 @@ class Parser(argparse.ArgumentParser):
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Help that shows an option's default where it has one (never "(default: None)")."""
+    """Help that shows an option's default where it has one (never "(default: None)", and
+    never twice: help that names its default itself is left as written)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is argparse.SUPPRESS or not action.help:
+        if (
+            action.default is None
+            or action.default is argparse.SUPPRESS
+            or not action.help
+            or "(default:" in action.help
+        ):
             return action.help
         return super()._get_help_string(action)
 
