@@ -80,7 +80,7 @@ def test_a_mooncake_master_that_is_down_is_found_before_workers_start(tmp_path) 
 
 
 def test_help_pages_show_no_empty_or_repeated_defaults() -> None:
-    """"(default: None)" twice, and "(default: 2) (default: 2.0)" on `bench latency --seconds`."""
+    """ "(default: None)" twice, and "(default: 2) (default: 2.0)" on `bench latency --seconds`."""
     for command in (["demo"], ["status"], ["store", "stats"], ["bench", "latency"]):
         out = kvtier(*command, "--help")
         assert out.returncode == 0, out.stderr

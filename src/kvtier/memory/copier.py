@@ -68,7 +68,7 @@ class CpuBlockCopier(BlockCopier):
         self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, num_blocks: int, checksum: bool
     ) -> tuple[int, np.ndarray | None]:
         total = num_blocks * self.spec.block_bytes
-        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
+        threads = self._threads_for(num_blocks)
         if not checksum:
             return int(_copy.copy_pieces(dst, src, sizes, threads)), None
         # Hash the *source* pieces in page-first order as they are copied (still in cache).
@@ -77,38 +77,35 @@ class CpuBlockCopier(BlockCopier):
         return total, hashes
 
     def _swap_out(self, dev, host, checksum):
-        if not checksum:
-            return self._copy_indexed(self._host_side(host), self._device_side(dev), dev.size)
+        if not checksum:  # the native side computes each piece's address: no numpy temporaries
+            base, stride, size = self.device_cache.piece_table()
+            threads = self._threads_for(dev.size)
+            moved = _copy.copy_indexed(
+                self._host_pieces, self._host_strides, host, base, stride, dev, size, threads
+            )
+            return moved, None
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
         return self._run(host_ptrs, dev_ptrs, sizes, dev.size, checksum)
 
     def _swap_in(self, host, dev, checksum):
         if not checksum:
-            return self._copy_indexed(self._device_side(dev), self._host_side(host), dev.size)
+            base, stride, size = self.device_cache.piece_table()
+            threads = self._threads_for(dev.size)
+            moved = _copy.copy_indexed(
+                base, stride, dev, self._host_pieces, self._host_strides, host, size, threads
+            )
+            return moved, None
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
         return self._run(dev_ptrs, host_ptrs, sizes, dev.size, checksum)
 
-    # A plain copy: the native side computes every piece's address from (base, stride, ids),
-    # with no numpy temporaries (microseconds on a 1-block swap, the common small task).
-    def _device_side(self, dev: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        base, stride, _ = self.device_cache.piece_table()
-        return base, stride, dev
-
-    def _host_side(self, host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._host_pieces, self._host_strides, host
-
-    def _copy_indexed(self, dst: tuple, src: tuple, num_blocks: int) -> tuple[int, None]:
-        total = num_blocks * self.spec.block_bytes
-        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
-        sizes = self.device_cache.piece_table()[2]
-        return int(_copy.copy_indexed(*dst, *src, sizes, threads)), None
+    def _threads_for(self, num_blocks: int) -> int:
+        return self.num_threads if num_blocks * self.spec.block_bytes >= PARALLEL_MIN_BYTES else 1
 
     def _swap_in_verified(self, host, dev, expected, ok):
         """One native call: each block is hashed, then copied only if it matched."""
         dev_ptrs, host_ptrs, sizes = self._pointers(dev, host)
         flags = ok.astype(np.uint8)
-        total = dev.size * self.spec.block_bytes
-        threads = self.num_threads if total >= PARALLEL_MIN_BYTES else 1
+        threads = self._threads_for(dev.size)
         expected = np.ascontiguousarray(expected, dtype=np.uint64)
         _copy.copy_blocks_verified(
             dev_ptrs, host_ptrs, sizes, len(self.spec.pieces), expected, flags, threads

@@ -12,7 +12,6 @@ message can never nest deeper than three levels, whatever a peer sends.
 
 from __future__ import annotations
 
-import operator
 import typing
 from enum import Enum, IntEnum
 from typing import Annotated, Any
@@ -247,19 +246,12 @@ def _list_fields(kind: type) -> tuple[str, ...]:
 LIST_FIELDS: dict[type, tuple[str, ...]] = {kind: _list_fields(kind) for kind in DATA_TASKS}
 
 
-def _weigher(fields: tuple[str, ...]) -> Any:
-    get = operator.attrgetter(*fields)
-    if len(fields) == 1:
-        return lambda task: len(get(task))
-    return lambda task: sum(map(len, get(task)))
-
-
-_WEIGHERS = {kind: _weigher(fields) for kind, fields in LIST_FIELDS.items()}
-
-
 def id_count(task: Any) -> int:
     """The block ids and hashes a data task carries: what it makes a worker hold."""
-    return _WEIGHERS[type(task)](task)
+    count = 0
+    for name in LIST_FIELDS[type(task)]:
+        count += len(getattr(task, name))
+    return count
 
 
 _encoder = msgspec.msgpack.Encoder()

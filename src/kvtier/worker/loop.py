@@ -90,7 +90,7 @@ class Worker:
             self.resources,
             self.gate,
             self.counters,
-            send=lambda peer, result: self.out.send(peer, t.encode(result)),
+            send=self.out.send,
             metrics=lambda: self.metrics,
             rank=self.rank,
         )
@@ -200,11 +200,11 @@ class Worker:
         if isinstance(message, t.Hello):
             self._hello(peer, message)
             return
-        if not self.peers.accepted(peer):
-            self._unintroduced(peer, message)
-            return
-        if self.peers.observer(peer):
-            self._observe(peer, message)
+        if not self.peers.engine(peer):
+            if self.peers.observer(peer):
+                self._observe(peer, message)
+            else:
+                self._unintroduced(peer, message)
             return
         self.watch.heard()
         if isinstance(message, t.DATA_TASKS):

@@ -64,6 +64,11 @@ class PeerTable:
         found = self._peers.get(peer)
         return found is not None and not found.accepted
 
+    def engine(self, peer: bytes) -> bool:
+        """An accepted peer that is not an observer: one lookup on every task's path."""
+        found = self._peers.get(peer)
+        return found is not None and found.accepted and not found.observer
+
     def observer(self, peer: bytes) -> bool:
         found = self._peers.get(peer)
         return found is not None and found.observer

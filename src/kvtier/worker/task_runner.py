@@ -47,7 +47,7 @@ STORAGE_TASKS = (t.Save, t.Load, t.SaveHost, t.LoadHost)
 SAVES = (t.Save, t.SaveHost)
 
 Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
-Send = Callable[[Peer, t.Result], None]
+Send = Callable[[Peer, bytes], None]  # an encoded Result
 
 
 class TaskRunner:
@@ -85,11 +85,12 @@ class TaskRunner:
         with self._lock:
             busy = self._busy[direction]
             self._busy[direction] += 1
-            self._queued[direction] += 1
         if not busy and threading.get_ident() == self.loop_ident and self._quick(task):
-            self._inline.append(item)
+            self._inline.append(item)  # runs before the loop reads another message
             return
-        future = self.executors[direction].submit(self._run, item)
+        with self._lock:
+            self._queued[direction] += 1
+        future = self.executors[direction].submit(self._run, item, queued=True)
         with self._lock:
             self._pending[future] = item
         future.add_done_callback(self._forget)
@@ -104,7 +105,7 @@ class TaskRunner:
     def run_inline(self) -> None:
         """The small swaps admitted on the loop thread, run there now."""
         while self._inline:
-            self._run(self._inline.pop(0))
+            self._run(self._inline.pop(0), queued=False)
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks per direction submitted and not yet started."""
@@ -116,7 +117,7 @@ class TaskRunner:
         cancelled = t.Result(
             task_id=task.task_id, status=t.Status.CANCELLED, message=why, rank=self.rank
         )
-        self._send(peer, cancelled)
+        self._send(peer, t.encode(cancelled))
 
     def shutdown(self) -> None:
         """Let running tasks finish; answer every queued one ``cancelled``."""
@@ -135,11 +136,13 @@ class TaskRunner:
         with self._lock:
             self._pending.pop(future, None)
 
-    def _run(self, item: Item) -> None:
+    def _run(self, item: Item, queued: bool) -> None:
+        """``queued``: it waited in an executor's queue (inline runs never count as queued)."""
         peer, task, keys = item
         direction = t.DIRECTIONS[type(task)]
-        with self._lock:
-            self._queued[direction] -= 1
+        if queued:
+            with self._lock:
+                self._queued[direction] -= 1
         start = time.perf_counter()
         try:
             outcome = self._outcome(task, keys)
@@ -149,7 +152,9 @@ class TaskRunner:
             self.gate.done(item)
         seconds = time.perf_counter() - start
         self._account(task, outcome, seconds)
-        removed, all_removed = self._removals(task, keys, outcome)
+        removed, all_removed = (
+            self._removals(task, keys, outcome) if isinstance(task, STORAGE_TASKS) else ([], False)
+        )
         result = t.Result(
             task_id=task.task_id,
             status=outcome.status,
@@ -163,14 +168,12 @@ class TaskRunner:
             all_removed=all_removed,
             tiers=outcome.tiers,
         )
-        self._send(peer, result)
+        self._send(peer, t.encode(result))
 
     def _removals(self, task: Any, keys: KeyScheme, outcome: Outcome) -> tuple[list[bytes], bool]:
         """What a storage task's answer tells of removed blocks (``kvtier.worker.removals``): those
         removed since the last answer, or all; and what this save stored under a version that
         was retired while it ran."""
-        if not isinstance(task, STORAGE_TASKS):
-            return [], False
         removed, all_removed = self.resources.removals.take()
         if keys.version != self.resources.keys.version and isinstance(task, SAVES):
             removed += task.block_hashes[: len(outcome.blocks)]
