@@ -1,16 +1,17 @@
 /* Batched piece copies for the CPU data path.
  *
- * copy_pieces(dst_ptrs, src_ptrs, sizes, num_threads) copies piece i of sizes[i] bytes from
- * src_ptrs[i] to dst_ptrs[i] for every i, with the GIL released, split across up to num_threads
- * threads by bytes. The three arguments are contiguous int64 buffers of equal length (numpy
+ * copy_indexed(dst_base, dst_stride, dst_ids, src_base, src_stride, src_ids, sizes, threads)
+ * copies piece p of every block b, sizes[p] bytes, from src_base[p] + src_ids[b] * src_stride[p]
+ * to the same place on the destination side, computing the addresses here; split across up to
+ * num_threads threads by whole blocks. The arguments are contiguous int64 buffers (numpy
  * arrays). It is one pass over the bytes: a gather from per-layer device tensors and a scatter
  * into page-first host blocks happen in the same memcpy, which torch's index_select/index_copy_
- * can only do in two passes through a staging buffer.
+ * can only do in two passes through a staging buffer. A copy under 1 MiB on one thread keeps the
+ * GIL: it takes microseconds, and a thread that lets the GIL go may wait for another thread's
+ * whole switch interval (5 ms) to get it back; larger copies release it.
  *
- * copy_indexed(...) is the same copy with the addresses computed here from each side's piece
- * bases and strides and the block ids. A copy under 1 MiB on one thread keeps the GIL: it takes
- * microseconds, and a thread that lets the GIL go may wait for another thread's whole switch
- * interval (5 ms) to get it back.
+ * copy_blocks_hashed and copy_blocks_verified take pointer lists (dst_ptrs, src_ptrs, sizes)
+ * and hash each block's source pieces as they copy them.
  *
  * The caller guarantees every range is valid and that no two destination ranges overlap; the
  * Python side (kvtier.copier) validates block ids before computing any pointer.
@@ -212,65 +213,6 @@ static int get_piece_buffers(PyObject *dst_obj, PyObject *src_obj, PyObject *siz
         return -1;
     }
     return 0;
-}
-
-static PyObject *copy_pieces(PyObject *self, PyObject *args) {
-    PyObject *dst_obj, *src_obj, *size_obj;
-    int num_threads;
-    if (!PyArg_ParseTuple(args, "OOOi", &dst_obj, &src_obj, &size_obj, &num_threads)) {
-        return NULL;
-    }
-    Py_buffer dst, src, size;
-    if (get_piece_buffers(dst_obj, src_obj, size_obj, &dst, &src, &size) < 0) return NULL;
-    Py_ssize_t n = dst.len / 8;
-    if (src.len / 8 != n || size.len / 8 != n) {
-        PyErr_SetString(PyExc_ValueError, "dst_ptrs, src_ptrs and sizes differ in length");
-        goto fail;
-    }
-    const int64_t *sz = (const int64_t *)size.buf;
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (sz[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "negative size at piece %zd", i);
-            goto fail;
-        }
-        total += sz[i];
-    }
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > n) num_threads = (int)(n > 0 ? n : 1);
-
-    Span spans[MAX_THREADS];
-    /* Split by bytes so that threads finish together even when piece sizes differ. */
-    int64_t per_thread = (total + num_threads - 1) / (num_threads > 0 ? num_threads : 1);
-    Py_ssize_t i = 0;
-    for (int t = 0; t < num_threads; t++) {
-        spans[t].dst = (const int64_t *)dst.buf;
-        spans[t].src = (const int64_t *)src.buf;
-        spans[t].size = sz;
-        spans[t].begin = i;
-        int64_t acc = 0;
-        while (i < n && (acc < per_thread || t == num_threads - 1)) {
-            acc += sz[i];
-            i++;
-        }
-        spans[t].end = i;
-    }
-
-    Py_BEGIN_ALLOW_THREADS
-    run_spans(copy_span, spans, sizeof(Span), num_threads);
-    Py_END_ALLOW_THREADS
-
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&size);
-    return PyLong_FromLongLong(total);
-
-fail:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&size);
-    return NULL;
 }
 
 /* Pieces of blocks addressed by id: piece p of block b lies at base[p] + id[b] * stride[p]. */
@@ -476,8 +418,6 @@ static PyMethodDef methods[] = {
     {"copy_indexed", copy_indexed, METH_VARARGS,
      "copy_indexed(dst_base, dst_stride, dst_ids, src_base, src_stride, src_ids, sizes, threads)"
      " -> total bytes; piece p of block b: base[p] + ids[b] * stride[p], sizes[p] bytes"},
-    {"copy_pieces", copy_pieces, METH_VARARGS,
-     "copy_pieces(dst_ptrs, src_ptrs, sizes, num_threads) -> total bytes copied"},
     {NULL, NULL, 0, NULL},
 };
 
