@@ -273,8 +273,9 @@ def rows_of(shared: list[dict], pd: list[dict], raw: float) -> list[dict[str, An
             "failed_tokens": sum(r["shared"]["failed_tokens"] for r in shared),
             "identical_rounds_shared": sum(r["identical"] for r in shared),
             "identical_rounds_pd": sum(r["identical"] for r in pd),
-            "rounds": len(pd),
-            "load_average": [round(r["proxy"]["load_average"], 1) for r in pd],
+            "rounds": max(len(shared), len(pd)),
+            "load_average": [round(r["proxy"]["load_average"], 1) for r in pd]
+            or [round(r["shared"]["load_average"], 1) for r in shared],
         }
     )
     return rows
@@ -333,7 +334,8 @@ def measure(args, model: str, root: Path, cluster: Cluster):
         shared = measure_shared(args, model, root)
         objects = round(statistics.median(x["shared"]["loaded_tokens"] for x in shared) / BLOCK)
         raw = raw_mooncake_gbps(cluster.storage, max(1, objects), args.raw_runs)
-    return shared, measure_pd(args, model, root), raw
+    pd = [] if args.skip_pd else measure_pd(args, model, root)
+    return shared, pd, raw
 
 
 def measure_shared(args, model: str, root: Path) -> list[dict]:

@@ -223,6 +223,9 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="what the producer and consumer share: the cluster, or a file store (one machine)",
     )
     p.add_argument("--skip-shared", action="store_true", help="measure only P/D (part b)")
+    p.add_argument(
+        "--skip-pd", action="store_true", help="measure only the shared prefixes (parts a, c)"
+    )
     p.add_argument("--kvtier-settings", default="{}", help="more kv_connector_extra_config as JSON")
     p.add_argument("--model", help="a model directory (default: build a random Llama)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")

@@ -168,6 +168,21 @@ def test_datapath_saves_and_loads_real_bytes_on_either_route(datapath) -> None:
     assert all(same(block(cache, 22 + i), before[2 + i]) for i in range(3))
 
 
+def test_a_load_asks_the_store_for_its_objects_without_an_existence_pass(datapath) -> None:
+    """The scheduler looked the blocks up just before: a load goes straight to the objects (an
+    existence pass was one more round trip to the store per load); a miss still ends it."""
+    path, cache, keys = datapath
+    h = hashes(5, seed=9)
+    path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+    asked = []
+    exists = path.storage.exists_prefix
+    path.storage.exists_prefix = lambda ks: asked.append(len(ks)) or exists(ks)
+    loaded = path.run(t.Load(block_hashes=h, device_block_ids=[30, 31, 32, 33, 34]), keys)
+    missing = path.run(t.Load(block_hashes=hashes(3, seed=10), device_block_ids=[5, 6, 7]), keys)
+    assert loaded.blocks == [30, 31, 32, 33, 34] and asked == []
+    assert missing.status is t.Status.PARTIAL and missing.blocks == [] and asked == []
+
+
 def test_a_prefix_with_bad_objects_is_whole_after_one_save_on_either_route(datapath) -> None:
     """Payload bit rot in every object but the first (headers sound): the load stops at the
     first bad one and drops the unverified ones after it, so the caller's save of the

@@ -178,9 +178,8 @@ class DataPath:
         self.copier.check_device_ids(dev, destination=True)
         route, done, moved = self.route, 0, 0
         try:
-            available = route.loadable(storage_keys)
-            while done < available:
-                chunk = slice(done, min(available, done + route.load_step))
+            while done < len(storage_keys):  # a chunk stops at the first object not loaded
+                chunk = slice(done, min(len(storage_keys), done + route.load_step))
                 fetched, good = route.fetch(storage_keys[chunk], dev[chunk])
                 verified = leading_true(good.tolist())
                 if verified < fetched:
