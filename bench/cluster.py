@@ -16,7 +16,9 @@ objects live on the node), all with one MAC key. Three measures, each round with
     pd-proxy`` with several in flight: end-to-end TTFT and requests/s. Completions must equal the
     single one's.
 (c) **Load bandwidth.** B's loads in (a) (bytes over the workers' load time) beside Mooncake's
-    own ``batch_get_into`` of the same number of objects of the same size from the same node.
+    own ``batch_get_into`` of as many objects as one of B's loads, of the same size, from the
+    same node: timed on an idle machine, and timed while B serves unseen prompts — on a small
+    machine the get's receive copies compete for the CPU with the engine, as B's loads do.
 
 Servers start once (their start is minutes on a busy machine); rounds use fresh prompts.
 """
@@ -28,6 +30,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -226,7 +229,7 @@ def run_proxy(producer: Server, consumer: Server) -> tuple[Any, ProxyTarget]:
     return proxy, ProxyTarget(host="127.0.0.1", port=port, model=producer.model, consumer=consumer)
 
 
-def rows_of(shared: list[dict], pd: list[dict], raw: float) -> list[dict[str, Any]]:
+def rows_of(shared: list[dict], pd: list[dict], raw: dict[str, float]) -> list[dict[str, Any]]:
     """Medians over rounds of each figure and of its ratio to the baseline within a round."""
 
     def row(part, measure, pairs, goal=""):
@@ -253,7 +256,8 @@ def rows_of(shared: list[dict], pd: list[dict], raw: float) -> list[dict[str, An
         row("B with A's prefixes / B alone", "TTFT p50 (s)", _pairs(s, "ttft_p50_s"), "<= 0.3"),
         row("B with A's prefixes / B alone", "TTFT p99 (s)", _pairs(s, "ttft_p99_s")),
         row("B with A's prefixes / B alone", "requests/s", _pairs(s, "requests_per_s")),
-        row("B loads / raw Mooncake get", "GB/s", [(g, raw) for g in load_gbps]),
+        row("B loads / raw get, idle machine", "GB/s", [(g, raw.get("idle")) for g in load_gbps]),
+        row("B loads / raw get, B serving", "GB/s", [(g, raw.get("busy")) for g in load_gbps]),
         row("P/D consumer / single", "TTFT p50 (s)", _pd(pd, "consumer"), "<= 0.3"),
         row("P/D producer + consumer / single", "TTFT p50 (s)", _pd(pd, "pd")),
     ]
@@ -273,7 +277,8 @@ def rows_of(shared: list[dict], pd: list[dict], raw: float) -> list[dict[str, An
             "failed_tokens": sum(r["shared"]["failed_tokens"] for r in shared),
             "identical_rounds_shared": sum(r["identical"] for r in shared),
             "identical_rounds_pd": sum(r["identical"] for r in pd),
-            "rounds": max(len(shared), len(pd)),
+            "rounds_shared": len(shared),
+            "rounds_pd": len(pd),
             "load_average": [round(r["proxy"]["load_average"], 1) for r in pd]
             or [round(r["shared"]["load_average"], 1) for r in shared],
         }
@@ -297,13 +302,16 @@ def print_report(rows: list[dict], args) -> None:
         f"{'the cluster' if args.pd_storage == 'mooncake' else 'a shared file store'}"
     )
     print_table([r for r in rows if "measure" in r], COLUMNS)
-    checks = rows[-1]
+    c = rows[-1]
+    identical = [
+        f"{part} {c[f'identical_rounds_{key}']}/{c[f'rounds_{key}']} rounds"
+        for part, key in (("shared", "shared"), ("P/D", "pd"))
+        if c[f"rounds_{key}"]
+    ]
     print(
-        f"B's block-aligned prompt tokens from the store: {checks['hit_fraction_median'] or 0:.0%} "
-        f"(median), failed tokens {checks['failed_tokens']:.0f}; completions identical: "
-        f"shared {checks['identical_rounds_shared']}/{checks['rounds']} rounds, "
-        f"P/D {checks['identical_rounds_pd']}/{checks['rounds']}; "
-        f"load average {checks['load_average']}"
+        f"B's block-aligned prompt tokens from the store: {c['hit_fraction_median'] or 0:.0%} "
+        f"(median), failed tokens {c['failed_tokens']:.0f}; completions identical: "
+        f"{', '.join(identical)}; load average {c['load_average']}"
     )
 
 
@@ -328,17 +336,16 @@ def report(args: argparse.Namespace) -> int:
 
 
 def measure(args, model: str, root: Path, cluster: Cluster):
-    """(shared rounds, P/D rounds, raw Mooncake GB/s)."""
-    shared, raw = [], 0.0
+    """(shared rounds, P/D rounds, raw Mooncake GB/s: idle and beside B serving)."""
+    shared: list[dict] = []
+    raw: dict[str, float] = {}
     if not args.skip_shared:
-        shared = measure_shared(args, model, root)
-        objects = round(statistics.median(x["shared"]["loaded_tokens"] for x in shared) / BLOCK)
-        raw = raw_mooncake_gbps(cluster.storage, max(1, objects), args.raw_runs)
+        shared, raw = measure_shared(args, model, root, cluster)
     pd = [] if args.skip_pd else measure_pd(args, model, root)
     return shared, pd, raw
 
 
-def measure_shared(args, model: str, root: Path) -> list[dict]:
+def measure_shared(args, model: str, root: Path, cluster: Cluster):
     a, b = (server(args, model, root, name, "kv_both") for name in ("a", "b"))
     progress("(a) engines A and B on the cluster")
     with running([a, b]):
@@ -346,7 +353,32 @@ def measure_shared(args, model: str, root: Path) -> list[dict]:
         for r in range(args.rounds):
             progress(f"  round {r + 1}/{args.rounds}")
             rounds.append(shared_round(args, a, b, r))
-        return rounds
+        # One of B's loads: one prompt's blocks (every prompt of the set is a hit).
+        per_load = statistics.median(x["shared"]["loaded_tokens"] for x in rounds) / args.prompts
+        objects = max(1, round(per_load / BLOCK))
+        progress(f"(c) Mooncake's own get of {objects} objects, beside B serving, then idle")
+        raw = {"busy": raw_beside(b, args, cluster.storage, objects)}
+    raw["idle"] = raw_mooncake_gbps(cluster.storage, objects, args.raw_runs)
+    return rounds, raw
+
+
+def raw_beside(srv: Server, args, storage: dict, objects: int) -> float:
+    """Mooncake's own get, timed while ``srv`` serves prompts nobody saw (computed there)."""
+    done = threading.Event()
+
+    def serve() -> None:
+        tag = 900
+        while not done.is_set():
+            load.run(srv, sessions(tag, args), args.concurrency, args.output_tokens)
+            tag += 1
+
+    busy = threading.Thread(target=serve, name="bench-cluster-busy", daemon=True)
+    busy.start()
+    try:
+        return raw_mooncake_gbps(storage, objects, args.raw_runs)
+    finally:
+        done.set()
+        busy.join()
 
 
 def measure_pd(args, model: str, root: Path) -> list[dict]:

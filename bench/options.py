@@ -215,7 +215,7 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--segment-bytes", type=SIZE, default=2 << 30, help="the storage node's Mooncake segment"
     )
-    p.add_argument("--raw-runs", type=COUNT, default=5, help="timed raw Mooncake gets (median)")
+    p.add_argument("--raw-runs", type=COUNT, default=15, help="timed raw Mooncake gets (median)")
     p.add_argument(
         "--pd-storage",
         default="mooncake",
