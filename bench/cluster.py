@@ -39,10 +39,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvtier.common.cpus import format_cpu_list
-from kvtier.ops.table import print_table
 from kvtier.transport import auth
 from kvtier_bench import serve_load as load
-from kvtier_bench.common import gbps, print_json_rows, progress
+from kvtier_bench.cluster_report import print_report, rows_of
+from kvtier_bench.common import print_json_rows, progress
 from kvtier_bench.storage_raw import raw_mooncake_gbps
 from kvtier_bench.vllm_server import Server
 
@@ -51,14 +51,6 @@ SAVE_SETTLE_S = 1.0  # A's saves are answered off its critical path; B looks the
 # vLLM's workers spin-wait on their cores for a second after every step (shm_broadcast's
 # busy_loop_s): a server timed right after another one ran on shared cores pays for its spin.
 SPIN_SETTLE_S = 1.5
-COLUMNS = [
-    ("part", "", "s"),
-    ("measure", "measure", "s"),
-    ("value", "value", ".3f"),
-    ("baseline", "baseline", ".3f"),
-    ("ratio", "ratio", ".3f"),
-    ("goal", "goal", "s"),
-]
 COUNTERS = {
     "loaded_tokens": "vllm:kvtier_loaded_tokens_total",
     "failed_tokens": "vllm:kvtier_failed_tokens_total",
@@ -227,92 +219,6 @@ def run_proxy(producer: Server, consumer: Server) -> tuple[Any, ProxyTarget]:
     proxy = serve(producer.url, consumer.url, "127.0.0.1", 0, timeout_s=600.0)
     port = proxy.server_address[1]
     return proxy, ProxyTarget(host="127.0.0.1", port=port, model=producer.model, consumer=consumer)
-
-
-def rows_of(shared: list[dict], pd: list[dict], raw: dict[str, float]) -> list[dict[str, Any]]:
-    """Medians over rounds of each figure and of its ratio to the baseline within a round."""
-
-    def row(part, measure, pairs, goal=""):
-        pairs = [(x, y) for x, y in pairs if x is not None and y]
-        if not pairs:
-            return None
-        return {
-            "part": part,
-            "measure": measure,
-            "value": statistics.median(x for x, _ in pairs),
-            "baseline": statistics.median(y for _, y in pairs),
-            "ratio": statistics.median(x / y for x, y in pairs),
-            "goal": goal,
-            "rounds": len(pairs),
-        }
-
-    s = [(r["shared"], r["alone"]) for r in shared]
-    load_gbps = [
-        gbps(int(x["load_bytes"]), x["load_microseconds"] / 1e6) if x["load_microseconds"] else None
-        for x, _ in s
-    ]
-    rows = [
-        row("B with A's prefixes / B alone", "TTFT mean (s)", _pairs(s, "ttft_mean_s")),
-        row("B with A's prefixes / B alone", "TTFT p50 (s)", _pairs(s, "ttft_p50_s"), "<= 0.3"),
-        row("B with A's prefixes / B alone", "TTFT p99 (s)", _pairs(s, "ttft_p99_s")),
-        row("B with A's prefixes / B alone", "requests/s", _pairs(s, "requests_per_s")),
-        row("B loads / raw get, idle machine", "GB/s", [(g, raw.get("idle")) for g in load_gbps]),
-        row("B loads / raw get, B serving", "GB/s", [(g, raw.get("busy")) for g in load_gbps]),
-        row("P/D consumer / single", "TTFT p50 (s)", _pd(pd, "consumer"), "<= 0.3"),
-        row("P/D producer + consumer / single", "TTFT p50 (s)", _pd(pd, "pd")),
-    ]
-    proxy = [(r["proxy"], r["single"]) for r in pd]
-    rows += [
-        row("P/D via pd-proxy / single", "TTFT p50 (s)", _pairs(proxy, "ttft_p50_s")),
-        row("P/D via pd-proxy / single", "TTFT p99 (s)", _pairs(proxy, "ttft_p99_s")),
-        row("P/D via pd-proxy / single", "requests/s", _pairs(proxy, "requests_per_s")),
-    ]
-    rows = [r for r in rows if r is not None]
-    rows.append(
-        {
-            "part": "checks",
-            "hit_fraction_median": statistics.median(r["hit_fraction"] for r in shared)
-            if shared
-            else None,
-            "failed_tokens": sum(r["shared"]["failed_tokens"] for r in shared),
-            "identical_rounds_shared": sum(r["identical"] for r in shared),
-            "identical_rounds_pd": sum(r["identical"] for r in pd),
-            "rounds_shared": len(shared),
-            "rounds_pd": len(pd),
-            "load_average": [round(r["proxy"]["load_average"], 1) for r in pd]
-            or [round(r["shared"]["load_average"], 1) for r in shared],
-        }
-    )
-    return rows
-
-
-def _pairs(pairs: list[tuple[dict, dict]], figure: str) -> list[tuple[Any, Any]]:
-    return [(x.get(figure), y.get(figure)) for x, y in pairs]
-
-
-def _pd(pd: list[dict], which: str) -> list[tuple[Any, Any]]:
-    return [(r[f"{which}_ttft_p50_s"], r["single_ttft_p50_s"]) for r in pd]
-
-
-def print_report(rows: list[dict], args) -> None:
-    print(
-        f"kvtier bench cluster: {args.rounds} rounds, {args.prompts} prompts x "
-        f"{args.prompt_tokens} tokens per set, {args.concurrency} in flight, one Mooncake "
-        f"master and storage node on loopback, engines as pure clients; P/D through "
-        f"{'the cluster' if args.pd_storage == 'mooncake' else 'a shared file store'}"
-    )
-    print_table([r for r in rows if "measure" in r], COLUMNS)
-    c = rows[-1]
-    identical = [
-        f"{part} {c[f'identical_rounds_{key}']}/{c[f'rounds_{key}']} rounds"
-        for part, key in (("shared", "shared"), ("P/D", "pd"))
-        if c[f"rounds_{key}"]
-    ]
-    print(
-        f"B's block-aligned prompt tokens from the store: {c['hit_fraction_median'] or 0:.0%} "
-        f"(median), failed tokens {c['failed_tokens']:.0f}; completions identical: "
-        f"{', '.join(identical)}; load average {c['load_average']}"
-    )
 
 
 def report(args: argparse.Namespace) -> int:

@@ -142,6 +142,24 @@ def server_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
+def extra_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Servers a ``bench serve`` round may add beside the pair."""
+    p.add_argument(
+        "--ideal",
+        action="store_true",
+        help="a third server per round: vLLM alone, its own cache holding every working set",
+    )
+    p.add_argument(
+        "--ideal-kv-bytes", type=SIZE, default=1 << 30, help="the --ideal server's KV cache"
+    )
+    p.add_argument(
+        "--null-connector",
+        action="store_true",
+        help="one more server per round: vLLM with a connector that does nothing (what vLLM's "
+        "connector machinery costs alone)",
+    )
+
+
 def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=COUNT, default=3, help="interleaved rounds, fresh servers")
     p.add_argument(
@@ -170,14 +188,7 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-bytes", type=SIZE, default=64 << 20, help="vLLM's KV cache (its own prefix cache)"
     )
-    p.add_argument(
-        "--ideal",
-        action="store_true",
-        help="a third server per round: vLLM alone, its own cache holding every working set",
-    )
-    p.add_argument(
-        "--ideal-kv-bytes", type=SIZE, default=1 << 30, help="the --ideal server's KV cache"
-    )
+    extra_server_arguments(p)
     p.add_argument(
         "--store-faults",
         metavar="JSON",

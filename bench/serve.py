@@ -13,6 +13,10 @@ whole working set (``--ideal-kv-bytes``), so its own prefix cache hits everythin
 could, at no cost. Its ratio to the no-connector server bounds what any connector can give on
 this machine (a generous bound: its cache also has room to run every request at once, where the
 others may queue for KV space).
+
+``--null-connector`` adds a server with a connector that does nothing
+(``kvtier_bench.null_connector``): its ratio to the no-connector server is what vLLM's connector
+machinery costs before a connector does any work, the floor under kvtier's cost on misses.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 from kvtier.storage import with_memory_tier
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import print_json_rows, progress, save_plot
+from kvtier_bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONNECTOR
 from kvtier_bench.slow_link import mooncake_behind_link
 from kvtier_bench.vllm_server import Server
 
@@ -54,6 +59,11 @@ SHOWN = [  # (figure, label, goal for kvtier / no connector)
     ("seen_ttft_p99_s", "TTFT p99, prefix seen before", "<="),
     ("tpot_mean_s", "TPOT mean", "<="),
 ]
+# Servers a round may add beside the pair: label -> what the report calls it.
+EXTRA = {
+    "ideal": "ideal (vLLM alone, a cache for everything)",
+    "null": "null connector (vLLM's connector machinery, no work)",
+}
 
 
 def workloads(args: argparse.Namespace) -> dict[str, tuple[list[load.Session], int, int]]:
@@ -100,7 +110,7 @@ def binding(server: Server) -> str:
 
 
 def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict[str, Any]:
-    """One fresh server (``plain``, ``kvtier`` or ``ideal``) through every workload."""
+    """One fresh server (``plain``, ``kvtier``, ``ideal`` or ``null``) through every workload."""
     extra = None
     if label == "kvtier":
         storage: dict[str, Any] = {
@@ -116,6 +126,7 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
         model,
         root / f"{label}{run}",
         kvtier=extra,
+        connector=NULL_CONNECTOR if label == "null" else None,
         kv_bytes=args.ideal_kv_bytes if label == "ideal" else args.kv_bytes,
         max_num_seqs=max(args.hc_concurrency, args.concurrency, args.chat_concurrency),
         reserved_cpus=reserved_cpus(args),
@@ -151,7 +162,6 @@ def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict
 
 def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
     rows = []
-    with_ideal = [r for r in rounds if "ideal" in r]
     for name in plan:
         pairs = [(r["plain"][name], r["kvtier"][name]) for r in rounds]
         same = sum(p["tokens"] == k["tokens"] for p, k in pairs)
@@ -171,13 +181,16 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
                 "rounds": len(values),
                 "identical_rounds": same,
             }
-            ideal = [
-                (r["plain"][name].get(figure), r["ideal"][name].get(figure)) for r in with_ideal
-            ]
-            ideal = [(p, i) for p, i in ideal if p and i is not None]
-            if ideal:
-                row["ideal"] = statistics.median(i for _, i in ideal)
-                row["ideal_ratio"] = statistics.median(i / p for p, i in ideal)
+            for extra in EXTRA:
+                got = [
+                    (r["plain"][name].get(figure), r[extra][name].get(figure))
+                    for r in rounds
+                    if extra in r
+                ]
+                got = [(p, x) for p, x in got if p and x is not None]
+                if got:
+                    row[extra] = statistics.median(x for _, x in got)
+                    row[f"{extra}_ratio"] = statistics.median(x / p for p, x in got)
             rows.append(row)
         for counter in COUNTERS:
             row = {
@@ -187,10 +200,11 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
                 "plain": statistics.median(p.get(counter, 0) for p, _ in pairs),
                 "kvtier": statistics.median(k.get(counter, 0) for _, k in pairs),
             }
-            if with_ideal:
-                row["ideal"] = statistics.median(
-                    r["ideal"][name].get(counter, 0) for r in with_ideal
-                )
+            for extra in EXTRA:
+                if any(extra in r for r in rounds):
+                    row[extra] = statistics.median(
+                        r[extra][name].get(counter, 0) for r in rounds if extra in r
+                    )
             rows.append(row)
     return rows
 
@@ -207,13 +221,13 @@ def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
             f"load average {k.get('load_average_end', 0):.1f}; stop {p['stop_s']:.1f} s / "
             f"{k['stop_s']:.1f} s, left: {len(p['left']) + len(k['left'])}"
         )
-        if "ideal" in entry:
-            i = entry["ideal"]
-            print(f"  round {r}: ideal (vLLM alone, a cache for everything) {i['binding']}")
-    ideal = any("ideal" in row for row in rows)
+        for extra, what in EXTRA.items():
+            if extra in entry:
+                print(f"  round {r}: {what} {entry[extra]['binding']}")
+    shown = [x for x in EXTRA if any(x in row for row in rows)]
     header = f"{'workload':18} {'measure':30} {'no connector':>13} {'kvtier':>10} {'ratio':>7}"
-    if ideal:
-        header += f" {'ideal':>8} {'ideal ratio':>12}"
+    for extra in shown:
+        header += f" {extra:>8} {extra + ' ratio':>12}"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -222,23 +236,24 @@ def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
                 f"{row['workload']:18} {row['measure']:30} {row['plain']:13.3f} "
                 f"{row['kvtier']:10.3f} {row['ratio']:7.3f}"
             )
-            if "ideal" in row:
-                line += f" {row['ideal']:8.3f} {row['ideal_ratio']:12.3f}"
+            for extra in shown:
+                line += f" {row[extra]:8.3f} {row[extra + '_ratio']:12.3f}" if extra in row else ""
             print(line)
         else:
             line = (
                 f"{row['workload']:18} {row['measure']:30} {row['plain']:13.0f} "
                 f"{row['kvtier']:10.0f}"
             )
-            if "ideal" in row:
-                line += f" {'':7} {row['ideal']:8.0f}"
+            line += f" {'':7}" if shown else ""
+            for extra in shown:
+                line += f" {row[extra]:8.0f} {'':12}" if extra in row else ""
             print(line)
     for name in dict.fromkeys(r["workload"] for r in rows):
         same = next(r["identical_rounds"] for r in rows if r["workload"] == name and "ratio" in r)
         print(f"{name}: completions identical at temperature 0 in {same} of {len(rounds)} rounds")
         for r, entry in enumerate(rounds):
             plain = entry["plain"][name]
-            for label in ("kvtier", "ideal"):
+            for label in ("kvtier", *EXTRA):
                 if label in entry and entry[label][name]["tokens"] != plain["tokens"]:
                     print(f"  round {r}, {label}: {differences(plain, entry[label][name])}")
 
@@ -282,8 +297,9 @@ def _rounds(args: argparse.Namespace, plan) -> list[dict]:
         for run in range(args.rounds):
             entry = {}
             order = ["plain", "kvtier"] if run % 2 == 0 else ["kvtier", "plain"]
-            if args.ideal:
-                order.insert(run % 3, "ideal")
+            for extra, wanted in (("ideal", args.ideal), ("null", args.null_connector)):
+                if wanted:
+                    order.insert(run % (len(order) + 1), extra)
             for label in order:
                 progress(f"round {run + 1}/{args.rounds}: {label}")
                 entry[label] = one_server(args, model, root, label, run, plan)

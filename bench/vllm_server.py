@@ -55,6 +55,7 @@ class Server:
     model: str
     workdir: Path
     kvtier: dict[str, Any] | None = None
+    connector: dict[str, Any] | None = None  # another connector's --kv-transfer-config
     kv_bytes: int = 128 << 20
     max_model_len: int = 4096
     max_num_seqs: int = 8
@@ -97,6 +98,8 @@ class Server:
         if self.kvtier is not None:
             config = connector_config(self.instance, role=self.kv_role, **self.kvtier)
             cmd += ["--kv-transfer-config", json.dumps(config)]
+        elif self.connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.connector)]
         return cmd
 
     def start(self) -> Server:
