@@ -174,6 +174,7 @@ class Worker:
                 for peer, payload in self.transport.receive(POLL_INTERVAL_S):
                     self._handle(peer, payload)
                     self.runner.run_inline()
+                self.runner.shed_queued_saves()
                 self.out.flush()
                 why = self.watch.gone()
                 if why:

@@ -10,7 +10,8 @@ preempted thread stalls a whole parallel region) they take idle time rather than
 
 Every task gets exactly one Result: its outcome, an error naming the cause (a ``KvtierError``
 from bad input, or an internal error, logged with its traceback: the worker goes on), or
-``cancelled`` when the worker stops before it ran.
+``cancelled`` when the worker stops before it ran, or when it is a save queued behind a save
+blocked on a slow store (``kvtier.worker.save_watch``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvtier.transport.base import Peer
 from kvtier.worker.datapath import Outcome
 from kvtier.worker.gate import Gate
 from kvtier.worker.resources import RankResources
+from kvtier.worker.save_watch import SaveWatch
 from kvtier.worker.stats import TaskCounters
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class TaskRunner:
         self._queued: Counter = Counter()  # per direction: submitted, not started
         self._inline: list[Item] = []
         self.loop_ident = 0  # the loop thread, where small idle swaps run inline
+        self.save_watch = SaveWatch()
 
     def submit(self, item: Item) -> None:
         """Run ``item`` (called under the gate's lock, by the loop thread or a resume)."""
@@ -132,6 +135,36 @@ class TaskRunner:
         for executor in self.executors.values():
             executor.shutdown(wait=True)
 
+    def shed_queued_saves(self) -> int:
+        """(The loop thread, each turn.) While the running save is blocked on a slow store,
+        answer the saves queued behind it ``cancelled``: each would hold its request's blocks
+        in the engine for the whole queue (``kvtier.worker.save_watch``). Returns how many."""
+        if not self._queued[t.Direction.SAVE]:
+            return 0
+        blocked = self.save_watch.slow_store()
+        if not blocked:
+            return 0
+        with self._lock:
+            queued = [(f, item) for f, item in self._pending.items() if isinstance(item[1], t.Save)]
+        why = (
+            f"not written: queued behind a save blocked on the store for {blocked:.1f} s (a slow "
+            "store); answered now so that the engine frees its blocks"
+        )
+        shed = 0
+        for future, item in queued:
+            if not future.cancel():  # running or done: it answers itself
+                continue
+            with self._lock:
+                self._queued[t.Direction.SAVE] -= 1
+                self._busy[t.Direction.SAVE] -= 1
+            self.gate.done(item)
+            self.counters.task("save", t.Status.CANCELLED.value, 0, 0.0, self._metrics())
+            self.cancel(item, why)
+            shed += 1
+        if shed:
+            log.info("rank %d: %d queued save(s) answered cancelled: %s", self.rank, shed, why)
+        return shed
+
     def _forget(self, future: Future) -> None:
         with self._lock:
             self._pending.pop(future, None)
@@ -143,10 +176,17 @@ class TaskRunner:
         if queued:
             with self._lock:
                 self._queued[direction] -= 1
+        saving = direction is t.Direction.SAVE
+        if saving:
+            self.save_watch.started(
+                len(task.device_block_ids) * self.resources.config.spec.block_bytes
+            )
         start = time.perf_counter()
         try:
             outcome = self._outcome(task, keys)
         finally:
+            if saving:
+                self.save_watch.finished()
             with self._lock:
                 self._busy[direction] -= 1
             self.gate.done(item)
