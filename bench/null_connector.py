@@ -16,12 +16,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-KV_TRANSFER_CONFIG = {
-    "kv_connector": "NullConnector",
-    "kv_connector_module_path": "kvtier_bench.null_connector",
-    "kv_role": "kv_both",
-}
-
 
 class NullConnector(KVConnectorBase_V1):
     """Every hook a no-op: no external hits, no loads, no saves."""

@@ -34,7 +34,6 @@ from typing import Any
 from kvtier.storage import with_memory_tier
 from kvtier_bench import serve_load as load
 from kvtier_bench.common import print_json_rows, progress, save_plot
-from kvtier_bench.null_connector import KV_TRANSFER_CONFIG as NULL_CONNECTOR
 from kvtier_bench.slow_link import mooncake_behind_link
 from kvtier_bench.vllm_server import Server
 
@@ -59,6 +58,12 @@ SHOWN = [  # (figure, label, goal for kvtier / no connector)
     ("seen_ttft_p99_s", "TTFT p99, prefix seen before", "<="),
     ("tpot_mean_s", "TPOT mean", "<="),
 ]
+# The --null-connector server's connector, named, not imported (the harness never imports vLLM).
+NULL_CONNECTOR = {
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "kvtier_bench.null_connector",
+    "kv_role": "kv_both",
+}
 # Servers a round may add beside the pair: label -> what the report calls it.
 EXTRA = {
     "ideal": "ideal (vLLM alone, a cache for everything)",
