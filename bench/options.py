@@ -117,7 +117,9 @@ def vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=COUNT, default=2040, help="tokens per prompt")
     p.add_argument("--shared-tokens", type=integer(0), default=0, help="leading tokens all share")
     p.add_argument("--reps", type=COUNT, default=5, help="repetitions (medians reported)")
-    p.add_argument("--load-mode", default="async", choices=["async", "sync"], help="connector")
+    p.add_argument(
+        "--load-mode", default="auto", choices=["auto", "async", "sync"], help="connector"
+    )
     p.add_argument("--hidden", type=COUNT, default=512, help="hidden size of the random Llama")
     p.add_argument("--model", help="a model directory (default: build a random Llama)")
     p.add_argument("--store", help="file store directory (default: a temporary one)")

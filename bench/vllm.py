@@ -160,7 +160,7 @@ def demo(prompts: int = 8, tokens: int = 1024, shared: int = 768, as_json: bool 
         model=None,
         store=None,
         no_storage_reference=True,
-        load_mode="async",
+        load_mode="auto",
         json=as_json,
     )
     rows = run(args)

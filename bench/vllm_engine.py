@@ -92,7 +92,7 @@ def engine(args: dict):
         extra = {
             "storage": args["storage"],
             "instance_id": args["instance"],
-            "load_mode": args.get("load_mode", "async"),
+            "load_mode": args.get("load_mode", "auto"),
             "load_or_recompute": args.get("load_or_recompute", True),
         }
         if args.get("log_dir"):

@@ -146,14 +146,25 @@ def test_a_fresh_engine_with_a_memory_tier_hits_the_store_then_its_memory(
 ) -> None:
     """A fresh engine with ``tiers: [memory, file]`` on the store the first engine filled: its
     first hits come from the file tier (and are promoted), the next ones from memory; then the
-    file tier goes down and the memory tier keeps serving: no failed load, the same tokens."""
+    file tier goes down and the memory tier keeps serving: no failed load, the same tokens.
+    With ``load_mode: sync`` (where a memory tier pays): every load runs within its step."""
     outage = str(tmp_path / "outage")
     file = {"backend": "file", "root": store, "faults": {"unavailable_while": outage}}
     storage = {"tiers": [{"backend": "memory", "capacity_bytes": 64 << 20}, file]}
-    phases = run("restart", model=model, instance=_instance(), storage=storage, outage=outage)
+    phases = run(
+        "restart",
+        model=model,
+        instance=_instance(),
+        storage=storage,
+        outage=outage,
+        load_mode="sync",
+    )
     restart, again = phases["restart"], phases["restart_again"]
     assert restart["tokens"] == again["tokens"] == reference["reference"]["tokens"]
     assert external_hits(restart) > 0 and external_hits(again) > 0
+    for phase in (restart, again):
+        loaded = phase["delta"]["kvtier_loaded_tokens"]
+        assert phase["delta"]["kvtier_in_step_loaded_tokens"] == loaded > 0, phase["delta"]
     # Everything was stored: nothing is written again, and the counts say so (the connector
     # said 640 saved tokens beside 0 bytes written).
     assert phases["restart_saves"]["written"] == 0 and phases["restart_saves"]["skipped"] > 0

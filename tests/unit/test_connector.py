@@ -159,6 +159,39 @@ def test_a_prefix_computed_once_is_loaded_by_the_next_request(connector) -> None
     assert stats["lookups"] == 1 and stats["requested_tokens"] == 6 * BS  # this step's
 
 
+@pytest.mark.parametrize("connector", [{}, {"load_mode": "sync"}], indirect=True)
+def test_a_load_within_the_step_is_in_vllms_blocks_before_the_forward(connector) -> None:
+    """``load_mode: sync``, or ``auto`` (the default) once the store's loads are measured
+    shorter than a step: the load is not announced asynchronous, ``start_load_kv`` returns with
+    the bytes in vLLM's blocks, nothing is fenced, and the next request is not kept waiting."""
+    scheduler, transfers, worker = connector
+    cache = worker.resources.device_cache
+    tokens = list(range(1500, 1500 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r1", tokens), list(range(0, 7)))
+    if scheduler.load_mode == "auto":
+        unknown = request("r2", tokens)
+        assert scheduler.get_num_new_matched_tokens(unknown, 0) == (6 * BS, True)  # rates unknown
+        scheduler.request_finished(unknown)
+        for n in (2, 4, 6):
+            scheduler.decide.loaded(n, 0.0002 * n)  # a fast store, as its loads measured it
+        for i in range(4):
+            scheduler.decide.step(128, 100.0 + 0.02 * i)  # 20 ms steps
+    second = request("r3", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, False)
+    ids = list(range(10, 17))
+    scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, ids, 96)], {"r3": 4}))
+    assert [(s.req_id, s.sync) for s in meta.loads] == [("r3", True)]
+    assert meta.lookup_counts["in_step_loaded_tokens"] == 6 * BS
+    transfers.start_load_kv(meta)  # returns once the step's forward may read the blocks
+    assert all(same(block(cache, 10 + i), block(cache, i)) for i in range(6))
+    assert transfers.get_finished(set())[1] == set()  # not an asynchronous receive
+    assert transfers.take_stats().data["loaded_tokens"] == 6 * BS
+    assert scheduler.request_finished(second) == (False, None)  # nothing in flight
+    scheduler.build_connector_meta(step([], {}))  # the next step: the load is over
+    assert scheduler.get_num_new_matched_tokens(request("r4", tokens), 0) == (6 * BS, False)
+
+
 def test_a_request_waits_for_a_load_in_flight_then_hits_vllms_cache(connector) -> None:
     """Each object is loaded once: until r2's load is reported received, r3 with the same
     prefix waits (None) instead of loading the same objects again."""

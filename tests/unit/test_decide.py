@@ -255,3 +255,23 @@ def test_saves_follow_loads_with_one_probe_per_stale_period() -> None:
     for n in (4, 8, 16):
         off.loaded(n, 0.2 * n)
     assert all(off.worth_saving(8, now=10.0) for _ in range(3))
+
+
+def test_a_load_shorter_than_a_step_runs_within_it_and_a_longer_one_asynchronously() -> None:
+    """``load_mode: auto``: within the step when the estimated load is shorter than a step
+    (here 15-40 ms) and than SYNC_MAX_S; asynchronously when longer, or when a rate it needs is
+    not measured yet."""
+    d = LoadOrRecompute(BS)
+    assert not d.load_in_step(8)  # no step and no load measured yet
+    _engine(d, 1e-4)  # steps of 128-384 tokens: 15-40 ms
+    assert not d.load_in_step(8)  # the store not measured yet: learn it asynchronously
+    _tiers(d, [0.0002, 0.02])  # memory: 0.2 ms per block; a store 20 ms per block
+    assert d.load_in_step(8)  # 1.6 ms
+    assert not d.load_in_step(0)
+    assert not d.load_in_step(8, bytes([1] * 8))  # 160 ms: longer than a step
+    assert not d.load_in_step(8, bytes([0] * 6 + [1] * 2))  # 41 ms: longer than a step
+    assert not d.load_in_step(8, bytes([0] * 7 + [2]))  # tier 2 not measured yet
+    slow_steps = LoadOrRecompute(BS)
+    _engine(slow_steps, 1e-2)  # 1.3-3.8 s steps: still, at most SYNC_MAX_S in a step
+    _tiers(slow_steps, [decide.SYNC_MAX_S / 4])
+    assert slow_steps.load_in_step(4) and not slow_steps.load_in_step(5)

@@ -40,6 +40,11 @@ the worker's own time (``Result.seconds``: its run, not its queue) keeps that fl
 fresh engine does not pay a slow store's first loads to learn what its saves already said, and
 a busy machine's queue of saves still says nothing.
 
+**Within the step or not** (``load_mode: auto``, the default): a load estimated shorter than
+a step (a moving average of the time between steps) and than ``SYNC_MAX_S`` runs within the
+step that schedules it, so its request is computed in that step; a longer one, or one of a
+tier not measured yet, runs asynchronously while the request waits (``load_in_step``).
+
 **Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
 either. Its save would be worth nothing (the next hit on it would be declined) and would cost
 the engine: a request keeps its vLLM blocks until its saves are written, so slow saves fill
@@ -65,6 +70,9 @@ MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
 # A load estimated to take less than this is always taken: declining it could save at most
 # this much, and on small models the step-time slope is mostly noise (scheduling overhead).
 MIN_DECLINE_S = 0.05
+# load_mode auto: a load runs within its step (the forward waits) only if it is estimated at
+# most this long — every request running in that step shares the wait.
+SYNC_MAX_S = 0.05
 
 
 class LinearFit:
@@ -112,6 +120,7 @@ class LoadOrRecompute:
         self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a waiting save
         self._saved_floor = 0.0  # s per block, from the last answered save, if it was slow
         self._last_step: tuple[float, int] | None = None
+        self._step_s: float | None = None  # a step's time, any tokens (a moving average)
 
     @property
     def store(self) -> LinearFit:
@@ -172,8 +181,12 @@ class LoadOrRecompute:
         now = time.monotonic() if now is None else now
         if self._last_step is not None:
             at, tokens = self._last_step
-            if tokens >= MIN_STEP_TOKENS and 0 < now - at < MAX_STEP_S:
-                self.engine.add(tokens, now - at)
+            gap = now - at
+            if tokens >= MIN_STEP_TOKENS and 0 < gap < MAX_STEP_S:
+                self.engine.add(tokens, gap)
+            if tokens > 0 and 0 < gap < MAX_STEP_S:
+                last = gap if self._step_s is None else self._step_s
+                self._step_s = KEEP * last + (1 - KEEP) * gap
         self._last_step = (now, scheduled_tokens)
 
     # ---- the decision -----------------------------------------------------------------------
@@ -198,7 +211,7 @@ class LoadOrRecompute:
         if not self.enabled or found <= 0 or self.engine.samples < MIN_SAMPLES:
             return found
         per_token = self.engine.coefficients()[1] * self.block_size
-        levels = tiers[:found].ljust(found, b"\0")
+        levels = _levels(tiers, found)
         counts = [0] * (max(levels) + 1)
         best, best_gain = 0, float("-inf")
         for k, level in enumerate(levels, 1):
@@ -214,6 +227,20 @@ class LoadOrRecompute:
         if best == found or not probe:
             return best
         return self._probe(found, levels, best, now)
+
+    def load_in_step(self, blocks: int, tiers: bytes = b"") -> bool:
+        """``load_mode: auto``: load the first ``blocks`` stored blocks within the step that
+        schedules them (the forward waits) rather than asynchronously? Yes when the load is
+        estimated shorter than a step and than ``SYNC_MAX_S``. An asynchronous load costs its
+        request about one step more (answered during one step, reported at its end, the request
+        scheduled in the next); a load within the step costs every running request its time
+        once. Unknown rates (a tier not measured, no steps yet): asynchronous."""
+        if blocks <= 0 or self._step_s is None:
+            return False
+        levels = _levels(tiers, blocks)
+        counts = [levels.count(level) for level in range(max(levels) + 1)]
+        load_s = self._load_s(counts, max(self._floors()))
+        return load_s is not None and load_s <= min(self._step_s, SYNC_MAX_S)
 
     def _load_s(self, counts: list[int], first_floor: float) -> float | None:
         fixed, per_block = 0.0, 0.0
@@ -258,3 +285,8 @@ class LoadOrRecompute:
             self._save_probe_gap = min(PROBE_S, 2 * self._save_probe_gap)
         self._last_probe_at = now
         return True
+
+
+def _levels(tiers: bytes, blocks: int) -> bytes:
+    """The tier of each of the first ``blocks`` blocks (missing: the first tier)."""
+    return tiers[:blocks].ljust(blocks, b"\0")

@@ -3,8 +3,11 @@
 - Lookup: ``get_num_new_matched_tokens`` asks every rank's kvtier worker how many leading blocks
   of the prompt it holds (a ``Lookup`` task: the workers build the keys — namespace, weight
   version, fingerprint, rank — so there is no second copy of that logic here) and offers the
-  shortest prefix over ranks, block-aligned, never the prompt's last token. Loads are
-  asynchronous: the request waits in WAITING_FOR_REMOTE_KVS while other requests run.
+  shortest prefix over ranks, block-aligned, never the prompt's last token.
+- Loads run within the step that schedules the request (the forward waits for them) or
+  asynchronously (the request waits in WAITING_FOR_REMOTE_KVS while other requests run):
+  ``load_mode`` ``sync`` / ``async``, or ``auto`` (default) deciding per request — within the
+  step when the load is estimated shorter than a step (``kvtier.vllm.decide``).
 - One lookup per request: vLLM asks again on every scheduling attempt while a request waits
   (no free blocks, the token budget spent); the answer is kept and reused — shortened when
   vLLM's own cache now covers more of the prompt — until the request is allocated, finishes,
@@ -57,6 +60,7 @@ class _Lookup:
     worth: int  # of those, how many to load (load or recompute)
     tiers: bytes  # the tier of each stored block (Result.tiers)
     at: float  # time.monotonic() of the answer
+    in_step: bool = False  # loaded within the step that schedules it (load_mode)
 
     def reuse(self, first: int, last: int, now: float) -> tuple[int, int, bytes] | None:
         """(stored, to load, their tiers) for blocks ``first:last``, if this answer still
@@ -91,7 +95,7 @@ class SchedulerSide:
         self.looks_up = role != "kv_producer"
         self.saves = role != "kv_consumer"
         self.settings = settings
-        self.sync_loads = settings.load_mode == "sync"
+        self.load_mode = settings.load_mode
         if endpoints is None:
             endpoints = [endpoint_for(instance, rank) for rank in range(world_size)]
         self.client: Client | None = Client.connect(
@@ -100,11 +104,11 @@ class SchedulerSide:
             task_timeout_s=settings.task_timeout_s,
         )
         self._tracked: dict[str, _Tracked] = {}
-        # first, count, requested, tiers of the blocks to load
-        self._pending_load: dict[str, tuple[int, int, int, bytes]] = {}
+        # first, count, requested, tiers of the blocks to load; within the step?
+        self._pending_load: dict[str, tuple[int, int, int, bytes, bool]] = {}
         self._lookups: dict[str, _Lookup] = {}  # kept answers of requests still waiting
         self._loads_out: list[LoadSpec] = []
-        self._loading: dict[str, list[bytes]] = {}
+        self._loading: dict[str, tuple[list[bytes], bool]] = {}  # hashes; within the step?
         self._loading_hashes: Counter[bytes] = Counter()
         self._submitted: OrderedDict[bytes, None] = OrderedDict()
         self._counts: Counter[str] = Counter()
@@ -131,7 +135,8 @@ class SchedulerSide:
         if answer is None:  # vLLM asks again while the request waits: decided once
             stored, tiers = self._lookup(wanted)
             worth = self.decide.blocks_to_load(stored, tiers)
-            self._lookups[request.request_id] = _Lookup(first, last, stored, worth, tiers, now)
+            kept = _Lookup(first, last, stored, worth, tiers, now, self._in_step(worth, tiers))
+            self._lookups[request.request_id] = kept
             self._counts.update(lookup_round_trips=1)
             if worth < stored:
                 self._counts.update(declined_tokens=(stored - worth) * bs)
@@ -143,14 +148,21 @@ class SchedulerSide:
             self._pending_load.pop(request.request_id, None)
             self._counts.update(lookups=1, requested_tokens=len(wanted) * bs)
             return 0, False
-        self._pending_load[request.request_id] = (first, worth, len(wanted), tiers[:worth])
-        return worth * bs, not self.sync_loads
+        in_step = kept is not None and kept.in_step
+        self._pending_load[request.request_id] = (first, worth, len(wanted), tiers[:worth], in_step)
+        return worth * bs, not in_step
+
+    def _in_step(self, blocks: int, tiers: bytes) -> bool:
+        """Load ``blocks`` within the step that schedules them (``load_mode``)?"""
+        if self.load_mode == "auto":
+            return self.decide.load_in_step(blocks, tiers)
+        return self.load_mode == "sync"
 
     def may_load_async(self, request: Any) -> bool:
         """Did this waiting request's kept lookup find stored blocks, loaded asynchronously?
         A dictionary look-up: vLLM asks whenever the request enters a waiting queue."""
         kept = self._lookups.get(request.request_id)
-        return not self.sync_loads and kept is not None and kept.worth > 0
+        return kept is not None and kept.worth > 0 and not kept.in_step
 
     def _lookup(self, hashes: list[bytes]) -> tuple[int, bytes]:
         try:
@@ -170,7 +182,7 @@ class SchedulerSide:
         pending = self._pending_load.pop(request.request_id, None)
         if pending is None:
             return
-        first, count, requested, tiers = pending
+        first, count, requested, tiers, in_step = pending
         self._counts.update(
             lookups=1, requested_tokens=requested * self.block_size, found_tokens=num_external
         )
@@ -179,11 +191,11 @@ class SchedulerSide:
             return
         hashes = list(request.block_hashes[first : first + n])
         ids = tracked.block_ids[first : first + n]
-        self._loads_out.append(
-            LoadSpec(request.request_id, hashes, ids, self.sync_loads, tiers[:n])
-        )
-        self._loading[request.request_id] = hashes
+        self._loads_out.append(LoadSpec(request.request_id, hashes, ids, in_step, tiers[:n]))
+        self._loading[request.request_id] = (hashes, in_step)
         self._loading_hashes.update(hashes)
+        if in_step:
+            self._counts.update(in_step_loaded_tokens=n * self.block_size)
 
     # ---- each step --------------------------------------------------------------------------
 
@@ -277,7 +289,8 @@ class SchedulerSide:
                 self._lookups.clear()  # kept answers may name them too
 
     def _finish_loading(self, req_id: str) -> None:
-        for h in self._loading.pop(req_id, ()):
+        hashes, _ = self._loading.pop(req_id, ([], False))
+        for h in hashes:
             self._loading_hashes[h] -= 1
             if self._loading_hashes[h] <= 0:
                 del self._loading_hashes[h]
@@ -287,8 +300,8 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        # A sync load ended within its step (the forward waited for it): nothing to fence.
-        loading = request.request_id in self._loading and not self.sync_loads
+        # A load within the step ended there (the forward waited for it): nothing to fence.
+        loading = not self._loading.get(request.request_id, ([], True))[1]
         saving = tracked is not None and tracked.has_saves
         return loading or saving, None
 

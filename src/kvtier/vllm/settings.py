@@ -14,6 +14,7 @@ from kvtier.storage import parse_storage
 
 PREFIX = "kv_connector_extra_config"
 KV_EVENTS = ("auto", "any_interface", "off")
+LOAD_MODES = ("auto", "async", "sync")
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,10 @@ class ConnectorSettings:
       prefix-caching hash algorithm is appended, so hashes of two algorithms never share keys.
     - ``version`` / ``model_dir``: the weight version (see kvtier's update_weights).
     - ``instance_id``: names this engine's workers and caches (default: vLLM's instance id).
-    - ``load_mode``: ``async`` (default: a hit waits in WAITING_FOR_REMOTE_KVS while other
-      requests run) or ``sync`` (loads run before the step's forward, which waits for them).
+    - ``load_mode``: ``auto`` (default: per request, ``sync`` for a load estimated shorter
+      than a step, ``async`` otherwise — ``kvtier.vllm.decide``), ``async`` (a hit waits in
+      WAITING_FOR_REMOTE_KVS while other requests run) or ``sync`` (loads run before the
+      step's forward, which waits for them).
     - ``load_or_recompute``: decline a hit whose load is estimated slower than recomputing it,
       from measured rates (default True; ``kvtier.vllm.decide``; counted in
       ``declined_tokens``).
@@ -53,7 +56,7 @@ class ConnectorSettings:
     version: str | None = None
     model_dir: str | None = None
     instance_id: str | None = None
-    load_mode: str = "async"
+    load_mode: str = "auto"
     load_or_recompute: bool = True
     save_generated: bool = True
     worker_cores: str = "reserved"
@@ -84,9 +87,9 @@ class ConnectorSettings:
             raise ConfigError(
                 f"{PREFIX}.kv_events", f"got {self.kv_events!r}; allowed: {', '.join(KV_EVENTS)}"
             )
-        if self.load_mode not in ("async", "sync"):
+        if self.load_mode not in LOAD_MODES:
             raise ConfigError(
-                f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: async, sync"
+                f"{PREFIX}.load_mode", f"got {self.load_mode!r}; allowed: {', '.join(LOAD_MODES)}"
             )
         if self.worker_cores not in ("reserved", "inherit"):
             parse_cpu_list(str(self.worker_cores), f"{PREFIX}.worker_cores")

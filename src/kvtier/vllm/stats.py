@@ -25,6 +25,7 @@ COUNTERS = {
     "found_tokens": "tokens kvtier holds on every rank (accepted hits)",
     "declined_tokens": "stored tokens not loaded: their recompute was estimated faster",
     "loaded_tokens": "tokens loaded, verified, in vLLM's blocks (summed over ranks)",
+    "in_step_loaded_tokens": "found tokens loaded within the step that schedules them (load_mode)",
     "failed_tokens": "tokens whose load failed and that vLLM recomputed (summed over ranks)",
     "load_bytes": "bytes loaded into vLLM's KV cache",
     "load_microseconds": "time kvtier workers spent loading (microseconds)",
