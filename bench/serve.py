@@ -41,6 +41,7 @@ COUNTERS = {
     "vllm_hit_tokens": "vllm:prefix_cache_hits_total",
     "external_hit_tokens": "vllm:external_prefix_cache_hits_total",
     "kvtier_loaded_tokens": "vllm:kvtier_loaded_tokens_total",
+    "kvtier_in_step_loaded_tokens": "vllm:kvtier_in_step_loaded_tokens_total",
     "kvtier_failed_tokens": "vllm:kvtier_failed_tokens_total",
     "kvtier_declined_tokens": "vllm:kvtier_declined_tokens_total",
     "kvtier_unsaved_tokens": "vllm:kvtier_unsaved_tokens_total",
