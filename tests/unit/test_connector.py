@@ -98,6 +98,10 @@ def until(condition, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+SLOW_STORE = {"backend": "memory", "faults": {"latency_s": 0.1}}
+SLOW_TRANSFERS = {"transfer_latency_s": 0.6}
+
+
 @pytest.fixture
 def connector(request):
     """A worker in this process, the scheduler side and one rank's step transfers on it
@@ -192,6 +196,34 @@ def test_a_load_within_the_step_is_in_vllms_blocks_before_the_forward(connector)
     assert scheduler.get_num_new_matched_tokens(request("r4", tokens), 0) == (6 * BS, False)
 
 
+@pytest.mark.parametrize(
+    "connector",
+    [{"load_mode": "sync", "worker_storage": {"backend": "memory", "faults": SLOW_TRANSFERS}}],
+    indirect=True,
+)
+def test_a_load_that_fails_slowly_still_says_how_slow_its_tier_is(connector) -> None:
+    """Objects gone after the lookup, behind a store that takes 0.6 s a transfer: the load
+    fails after 0.6 s and is a sample of its tier all the same (a failed load is no sample
+    of how fast a tier is, a slow one is a floor) — else a tier that stalls and fails would
+    keep being loaded from within the step, each load holding the whole step."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(1700, 1700 + PROMPT))
+    first = request("r1", tokens)
+    compute_and_save(scheduler, transfers, first, list(range(0, 7)))
+    second = request("r2", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, False)
+    keys = worker.resources.keys.keys(list(first.block_hashes[:6]))
+    assert worker.resources.storage.delete(keys) == 6  # evicted after the lookup
+    ids = list(range(10, 17))
+    scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
+    transfers.start_load_kv(scheduler.build_connector_meta(step([(second, ids, 96)], {"r2": 4})))
+    assert transfers.load_errors() == set(ids[:6])  # vLLM recomputes them
+    meta = transfers.worker_meta()
+    assert [n for n, _ in meta.load_times] == [(6,)] and meta.load_times[0][1] >= 0.6
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+    assert scheduler.decide.store.samples == 1
+
+
 def test_a_request_waits_for_a_load_in_flight_then_hits_vllms_cache(connector) -> None:
     """Each object is loaded once: until r2's load is reported received, r3 with the same
     prefix waits (None) instead of loading the same objects again."""
@@ -241,9 +273,6 @@ def test_a_load_that_fails_is_recomputed_and_saved_again(connector) -> None:
     scheduler.update_state_after_alloc(third, blocks(list(range(30, 37))), 2 * BS)
     meta = scheduler.build_connector_meta(step([(third, list(range(30, 37)), 32)], {"r3": 68}))
     assert [s.block_hashes for s in meta.saves] == [list(first.block_hashes[2:6])]
-
-
-SLOW_STORE = {"backend": "memory", "faults": {"latency_s": 0.1}}
 
 
 @pytest.mark.parametrize(

@@ -181,6 +181,8 @@ class StepTransfers:
         except Exception as e:  # lost worker, timeout: every block of it is recomputed
             log.warning("kvtier load for %s failed: %s", spec.req_id, e)
             loaded = 0
+        if loaded < len(spec.block_ids):  # failed slowly: its tiers are at least that slow
+            self._note_time(future, spec.per_tier(), at_least_s=REPORT_WAITING_S)
         failed = spec.block_ids[loaded:]
         self._load_errors.update(failed)
         self._failed_hashes.update(spec.block_hashes[loaded:])
@@ -207,9 +209,13 @@ class StepTransfers:
         except Exception:
             self._count(save_failures=1)
 
-    def _note_time(self, future: Future, blocks: tuple[int, ...]) -> None:
+    def _note_time(self, future: Future, blocks: tuple[int, ...], at_least_s: float = 0.0) -> None:
+        """A load's time from submission to answer, a sample for the scheduler's estimates
+        (``at_least_s``: only if it took that long)."""
         started, done = getattr(future, "kvtier_times", (None, None))
-        if started is not None and done is not None:
+        if started is not None and done is None and future.done():
+            done = time.monotonic()
+        if started is not None and done is not None and done - started >= at_least_s:
             with self._stats_lock:
                 self._load_times.append((blocks, done - started))
 
@@ -226,8 +232,11 @@ _now = time.monotonic
 
 
 def _time(future: Future) -> None:
-    """Record on ``future`` when it was submitted and when it was answered."""
+    """Record on ``future`` when it was submitted and when it was answered (a thread woken
+    by the answer may run before the callback that records it: ``_note_time`` then takes the
+    time it runs at)."""
     started = time.monotonic()
+    future.kvtier_times = (started, None)  # type: ignore[attr-defined]
 
     def answered(f: Future) -> None:
         f.kvtier_times = (started, time.monotonic())  # type: ignore[attr-defined]
