@@ -137,6 +137,20 @@ def compute_and_save(scheduler, transfers, req: Request, ids: list[int]) -> None
     until(lambda: transfers.get_finished({req.request_id})[0] == {req.request_id})
 
 
+def stored_then_evicted(connector, first_token: int, gone: slice, in_step: bool):
+    """r1 computes and saves a prompt; r2 finds it stored (to load within its step or not);
+    then the objects of blocks ``gone`` are evicted, as after a lookup. (r1, r2)."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(first_token, first_token + PROMPT))
+    first = request("r1", tokens)
+    compute_and_save(scheduler, transfers, first, list(range(0, 7)))
+    second = request("r2", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, not in_step)
+    hashes = list(first.block_hashes[gone])
+    assert worker.resources.storage.delete(worker.resources.keys.keys(hashes)) == len(hashes)
+    return first, second
+
+
 def test_a_prefix_computed_once_is_loaded_by_the_next_request(connector) -> None:
     scheduler, transfers, worker = connector
     cache = worker.resources.device_cache
@@ -207,13 +221,7 @@ def test_a_load_that_fails_slowly_still_says_how_slow_its_tier_is(connector) -> 
     of how fast a tier is, a slow one is a floor) — else a tier that stalls and fails would
     keep being loaded from within the step, each load holding the whole step."""
     scheduler, transfers, worker = connector
-    tokens = list(range(1700, 1700 + PROMPT))
-    first = request("r1", tokens)
-    compute_and_save(scheduler, transfers, first, list(range(0, 7)))
-    second = request("r2", tokens)
-    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, False)
-    keys = worker.resources.keys.keys(list(first.block_hashes[:6]))
-    assert worker.resources.storage.delete(keys) == 6  # evicted after the lookup
+    first, second = stored_then_evicted(connector, 1700, slice(0, 6), in_step=True)
     ids = list(range(10, 17))
     scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
     transfers.start_load_kv(scheduler.build_connector_meta(step([(second, ids, 96)], {"r2": 4})))
@@ -247,12 +255,7 @@ def test_a_load_that_fails_is_recomputed_and_saved_again(connector) -> None:
     reported to vLLM (recomputed), and the scheduler submits them for saving again."""
     scheduler, transfers, worker = connector
     tokens = list(range(3000, 3000 + PROMPT))
-    first = request("r1", tokens)
-    compute_and_save(scheduler, transfers, first, list(range(0, 7)))
-    second = request("r2", tokens)
-    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, True)
-    keys = worker.resources.keys.keys(list(first.block_hashes[2:6]))
-    assert worker.resources.storage.delete(keys) == 4  # evicted after the lookup
+    first, second = stored_then_evicted(connector, 3000, slice(2, 6), in_step=False)
     ids = list(range(20, 27))
     scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
     meta = scheduler.build_connector_meta(step([(second, ids, 96)], {"r2": 4}))
