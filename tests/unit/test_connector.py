@@ -232,6 +232,38 @@ def test_a_load_that_fails_slowly_still_says_how_slow_its_tier_is(connector) -> 
     assert scheduler.decide.store.samples == 1
 
 
+@pytest.mark.parametrize("connector", [{"load_mode": "sync"}], indirect=True)
+def test_blocks_whose_load_within_the_step_failed_are_saved_once_recomputed(connector) -> None:
+    """The request ran in the step of its load, with the blocks counted computed (its saves
+    moved past them); the load failed, and vLLM recomputes them in the next step: that step
+    saves them again, so the next request hits them."""
+    scheduler, transfers, worker = connector
+    first, second = stored_then_evicted(connector, 3500, slice(2, 6), in_step=True)
+    ids = list(range(20, 27))
+    scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, ids, 96)], {"r2": 4}))
+    assert meta.saves == []  # all stored, as far as the scheduler knows
+    transfers.start_load_kv(meta)
+    assert transfers.load_errors() == set(ids[2:6])
+    scheduler.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=transfers.worker_meta())
+    )
+    recompute = step([], {"r2": PROMPT - 2 * BS})  # vLLM resumes it after the loaded prefix
+    recompute.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["r2"],
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=[None],
+        num_computed_tokens=[2 * BS],
+        num_output_tokens=[0],
+    )
+    meta = scheduler.build_connector_meta(recompute)
+    assert [(s.block_hashes, s.block_ids) for s in meta.saves] == [
+        (list(first.block_hashes[2:6]), ids[2:6])
+    ]
+
+
 def test_a_request_waits_for_a_load_in_flight_then_hits_vllms_cache(connector) -> None:
     """Each object is loaded once: until r2's load is reported received, r3 with the same
     prefix waits (None) instead of loading the same objects again."""

@@ -287,6 +287,20 @@ class SchedulerSide:
                 self._submitted.pop(h, None)
             if meta.failed_hashes:
                 self._lookups.clear()  # kept answers may name them too
+                self._save_again_after(meta.failed_hashes)
+
+    def _save_again_after(self, failed: set[bytes]) -> None:
+        """A load within the step failed: vLLM recomputes those blocks in a later step, whose
+        saves would start past them (the request was scheduled with them computed, and its
+        saves moved on). Its saves start at the first failed block again."""
+        for req_id, (_, in_step) in self._loading.items():
+            tracked = self._tracked.get(req_id)
+            if not in_step or tracked is None:
+                continue
+            known = tracked.request.block_hashes[: tracked.saved_blocks]
+            bad = next((i for i, h in enumerate(known) if h in failed), None)
+            if bad is not None:
+                tracked.saved_blocks = bad
 
     def _finish_loading(self, req_id: str) -> None:
         hashes, _ = self._loading.pop(req_id, ([], False))
