@@ -237,9 +237,7 @@ class LoadOrRecompute:
         once. Unknown rates (a tier not measured, no steps yet): asynchronous."""
         if blocks <= 0 or self._step_s is None:
             return False
-        levels = _levels(tiers, blocks)
-        counts = [levels.count(level) for level in range(max(levels) + 1)]
-        load_s = self._load_s(counts, max(self._floors()))
+        load_s = self._load_s(list(tier_counts(tiers, blocks)), max(self._floors()))
         return load_s is not None and load_s <= min(self._step_s, SYNC_MAX_S)
 
     def _load_s(self, counts: list[int], first_floor: float) -> float | None:
@@ -290,3 +288,10 @@ class LoadOrRecompute:
 def _levels(tiers: bytes, blocks: int) -> bytes:
     """The tier of each of the first ``blocks`` blocks (missing: the first tier)."""
     return tiers[:blocks].ljust(blocks, b"\0")
+
+
+def tier_counts(tiers: bytes, blocks: int) -> tuple[int, ...]:
+    """How many of the first ``blocks`` blocks come from each tier (``tiers``: one byte per
+    block; missing: the first tier)."""
+    levels = _levels(tiers, blocks)
+    return tuple(levels.count(level) for level in range(max(levels, default=0) + 1))

@@ -9,6 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier.vllm.decide import tier_counts
+
 # A save unanswered this long is reported each step (decide's floor under saves): longer than a
 # busy machine keeps a fast store's save waiting (saves run niced), shorter than a slow store.
 REPORT_WAITING_S = 0.5
@@ -26,9 +28,7 @@ class LoadSpec:
 
     def per_tier(self, blocks: int | None = None) -> tuple[int, ...]:
         """How many of the first ``blocks`` (default: all) come from each tier."""
-        n = len(self.block_ids) if blocks is None else blocks
-        levels = self.tiers[:n].ljust(n, b"\0")
-        return tuple(levels.count(level) for level in range(max(levels, default=0) + 1))
+        return tier_counts(self.tiers, len(self.block_ids) if blocks is None else blocks)
 
 
 @dataclass

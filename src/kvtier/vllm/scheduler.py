@@ -315,7 +315,8 @@ class SchedulerSide:
         self._pending_load.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         # A load within the step ended there (the forward waited for it): nothing to fence.
-        loading = not self._loading.get(request.request_id, ([], True))[1]
+        load = self._loading.get(request.request_id)
+        loading = load is not None and not load[1]
         saving = tracked is not None and tracked.has_saves
         return loading or saving, None
 
