@@ -18,6 +18,7 @@
     └── WorkerError            a worker could not be started, reached or used
         ├── WorkerLost         a worker died or stopped answering
         ├── TaskTimeout        a task was not answered in time
+        ├── DeadlinePassed     (in a worker) a task's client may have given up: left alone
         ├── ProtocolMismatch   the worker speaks another protocol version
         └── PeerNotVerified    the peer on a tcp:// endpoint did not prove it is the worker
 """
@@ -92,6 +93,10 @@ class WorkerLost(WorkerError):
 
 class TaskTimeout(WorkerError):
     """A task was not answered by every rank before its deadline."""
+
+
+class DeadlinePassed(WorkerError):
+    """A worker left a task's blocks alone: its client's deadline passed (``worker.deadline``)."""
 
 
 class ProtocolMismatch(WorkerError):

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from conftest import require_mooncake
 from crash_saver import run_iterations
 from kvtier.engine.client import Client
-from kvtier.errors import WorkerLost
+from kvtier.errors import TaskTimeout, WorkerLost
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.storage.file import FileStore
 from kvtier.transport import tasks as t
@@ -304,6 +304,45 @@ def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
     finally:
         if master is not None:
             master.stop()
+
+
+def test_a_task_whose_client_gave_up_never_touches_its_blocks(tmp_path, figures) -> None:
+    """The engine reuses the blocks of a task that timed out (vLLM recomputes a load's blocks,
+    frees a finished request's). A store that stalls past the client's timeout: the stalled
+    load, and the load queued behind it, are answered ``cancelled`` and leave their device
+    blocks as they were — nothing is written after the client gave up. (Mooncake: a load goes
+    through staging, where the transfer ends before the copy into the blocks.)"""
+    require_mooncake()
+    from kvtier.storage.mooncake_local import LocalMaster
+
+    master = LocalMaster().start()
+    storage = master.config(global_segment_size=64 << 20, local_buffer_size=16 << 20)
+    storage["faults"] = {"transfer_latency_s": 2.0}  # every get and put waits 2 s
+    try:
+        with engine(tmp_path, world_size=1, storage=storage) as (client, (cache,)):
+            h = hashes(4, 77)
+            assert client.save(h, [1, 2, 3, 4]).blocks == [1, 2, 3, 4]
+            want = [block(cache, b) for b in (1, 2, 3, 4)]
+            before = {b: block(cache, b) for b in (20, 21, 22, 23)}
+            start = time.monotonic()
+            stalled = client.submit(t.Load(block_hashes=h[:2], device_block_ids=[20, 21]), 1.0)
+            queued = client.submit(t.Load(block_hashes=h[2:], device_block_ids=[22, 23]), 1.0)
+            for future in (stalled, queued):
+                with pytest.raises(TaskTimeout):
+                    future.result(timeout=30)
+            gave_up_s = time.monotonic() - start
+            # Loads run in order: this one's answer comes after the worker was done with both.
+            assert client.load(h, [30, 31, 32, 33]).blocks == [30, 31, 32, 33]
+            assert all(same(block(cache, 30 + i), want[i]) for i in range(4))  # loads do write
+            after = {b: block(cache, b) for b in before}
+            stats = client.control("stats").per_rank[0].data["tasks"]
+        untouched = [b for b in before if same(after[b], before[b])]
+        assert untouched == list(before), f"blocks written after the client gave up: {after}"
+        assert stats["load"]["cancelled"] == 2, stats["load"]
+        figures["client_gave_up_after_s"] = round(gave_up_s, 2)
+        figures["blocks_written_after_it"] = len(before) - len(untouched)
+    finally:
+        master.stop()
 
 
 # ---- 4. corruption ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import fill_random
 from kvtier.engine.client import Client, aggregate
-from kvtier.errors import InvalidBlockHash, InvalidBlockIds
+from kvtier.errors import DeadlinePassed, InvalidBlockHash, InvalidBlockIds
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.device import DeviceCache, cache_name
 from kvtier.memory.host import HostLayout, HostPool
@@ -231,6 +231,34 @@ def test_a_save_and_a_load_check_their_device_ids_once_on_either_route(datapath)
         assert checks.call_count == 1
     with pytest.raises(InvalidBlockIds, match="appears twice"):  # and that one check holds
         path.run(t.Load(block_hashes=h[:2], device_block_ids=[30, 30]), keys)
+
+
+def test_a_task_past_its_cutoff_leaves_its_device_blocks_alone_on_either_route(datapath) -> None:
+    """Once the client may have given up (``kvtier.worker.deadline``) a save reads no device
+    block and a load writes none: on the staged route also when the store's transfer ran past
+    the cutoff (the check sits between the transfer and the copy)."""
+    path, cache, keys = datapath
+    h = hashes(4, seed=12)
+    passed = time.monotonic() - 1.0
+    with pytest.raises(DeadlinePassed, match="before reading .*device blocks"):
+        path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3], timeout_ms=1), keys, passed)
+    assert path.storage.exists_prefix(keys.keys(h)) == 0
+    assert path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3]), keys).blocks
+    before = [block(cache, b) for b in (20, 21, 22, 23)]
+    load = t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23], timeout_ms=1)
+    with pytest.raises(DeadlinePassed):
+        path.run(load, keys, passed)
+    if path.route.name == "staged":
+        get_into = path.storage.get_into
+
+        def slow_get_into(*args):  # the store answers after the cutoff
+            time.sleep(0.3)
+            return get_into(*args)
+
+        path.storage.get_into = slow_get_into
+        with pytest.raises(DeadlinePassed, match="after its transfer from the store"):
+            path.run(load, keys, time.monotonic() + 0.1)
+    assert all(same(block(cache, 20 + i), before[i]) for i in range(4))
 
 
 def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:

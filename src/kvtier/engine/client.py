@@ -195,16 +195,18 @@ class Client:
         Returns a Future of the aggregated ``Result``; it fails with WorkerLost or TaskTimeout
         (``timeout_s``, default ``task_timeout_s``), never hangs.
         """
-        task = msgspec.structs.replace(task, task_id=next(self._ids))
+        timeout_s = timeout_s or self.task_timeout_s
+        task = _stamped(task, next(self._ids), timeout_s)
         future = TaskFuture()
-        self._io.send(task, future, time.monotonic() + (timeout_s or self.task_timeout_s))
+        self._io.send(task, future, time.monotonic() + timeout_s)
         return future
 
     def _call(self, task: Any, timeout_s: float | None) -> t.Result:
         """``task``'s answer: on this thread's own connection when it can
         (``kvtier.engine.direct``), else through the I/O thread."""
-        task = msgspec.structs.replace(task, task_id=next(self._ids))
-        deadline = time.monotonic() + (timeout_s or self.task_timeout_s)
+        timeout_s = timeout_s or self.task_timeout_s
+        task = _stamped(task, next(self._ids), timeout_s)
+        deadline = time.monotonic() + timeout_s
         result = self._io.call(task, deadline)
         if result is not None:
             return result
@@ -339,6 +341,15 @@ class Client:
 
 def _ids(ids: Any) -> list[int]:
     return [int(i) for i in ids]
+
+
+def _stamped(task: Any, task_id: int, timeout_s: float) -> Any:
+    """``task`` with its id and, for a data task, the time it has (``t.TimeoutMs``): the worker
+    leaves its blocks alone once that is over, for the engine may reuse them then."""
+    if isinstance(task, t.DATA_TASKS):
+        timeout_ms = min(t.MAX_TIMEOUT_MS, max(1, int(timeout_s * 1000)))
+        return msgspec.structs.replace(task, task_id=task_id, timeout_ms=timeout_ms)
+    return msgspec.structs.replace(task, task_id=task_id)
 
 
 __all__ = ["Client", "ControlAnswer", "TaskFuture", "aggregate"]

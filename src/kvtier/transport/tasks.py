@@ -31,6 +31,11 @@ MAX_TEXT_CHARS = 4096  # control arguments, messages, client ids
 MAX_BUNDLE_ITEMS = 256
 
 BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_IDS_PER_TASK)]
+# A data task's ``timeout_ms``: the time its client had left when it sent it (0: no deadline).
+# The worker never touches the task's blocks once the client may have given up on it
+# (``kvtier.worker.deadline``): the engine reuses blocks whose task timed out.
+MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+TimeoutMs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMEOUT_MS)]
 BlockHashes = Annotated[
     list[Annotated[bytes, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=MAX_IDS_PER_TASK)
 ]
@@ -88,12 +93,14 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class SwapOut(_Message, tag="swap_out", frozen=True, kw_only=True):
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     device_block_ids: BlockIds
     host_block_ids: BlockIds
 
 
 class SwapIn(_Message, tag="swap_in", frozen=True, kw_only=True):
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     host_block_ids: BlockIds
     device_block_ids: BlockIds
 
@@ -102,6 +109,7 @@ class Save(_Message, tag="save", frozen=True, kw_only=True):
     """Device -> storage, skipping the already-stored prefix."""
 
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     block_hashes: BlockHashes
     device_block_ids: BlockIds
 
@@ -110,18 +118,21 @@ class Load(_Message, tag="load", frozen=True, kw_only=True):
     """Storage -> device: the longest stored prefix, cut at the first block that fails."""
 
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     block_hashes: BlockHashes
     device_block_ids: BlockIds
 
 
 class SaveHost(_Message, tag="save_host", frozen=True, kw_only=True):
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     block_hashes: BlockHashes
     host_block_ids: BlockIds
 
 
 class LoadHost(_Message, tag="load_host", frozen=True, kw_only=True):
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     block_hashes: BlockHashes
     host_block_ids: BlockIds
 
@@ -130,6 +141,7 @@ class Lookup(_Message, tag="lookup", frozen=True, kw_only=True):
     """How many leading blocks are stored."""
 
     task_id: int = 0
+    timeout_ms: TimeoutMs = 0
     block_hashes: BlockHashes
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -48,7 +49,9 @@ from kvtier.transport.tasks import (
     SwapIn,
     SwapOut,
 )
-from kvtier.worker.routes import DirectRoute, StagedRoute, leading_true
+from kvtier.worker import deadline
+from kvtier.worker.deadline import NO_CUTOFF
+from kvtier.worker.routes import DirectRoute, GoOn, StagedRoute, leading_true
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +112,19 @@ class DataPath:
             host_pool, range(first, layout.total_blocks) if self._staged_host_io else None
         )
 
-    def run(self, task: DataTask, keys: KeyScheme) -> Outcome:
-        """Execute ``task``; storage tasks use ``keys``. Raises KvtierError on bad input."""
+    def run(self, task: DataTask, keys: KeyScheme, until: float = NO_CUTOFF) -> Outcome:
+        """Execute ``task``; storage tasks use ``keys``. Raises KvtierError on bad input, and
+        DeadlinePassed where a storage task would touch device blocks after ``until``
+        (``kvtier.worker.deadline``)."""
         match task:
             case SwapOut():
                 return self._swap_out(task)
             case SwapIn():
                 return self._swap_in(task)
             case Save():
-                return self._save(task, keys)
+                return self._save(task, keys, partial(deadline.check, until, task))
             case Load():
-                return self._load(task, keys)
+                return self._load(task, keys, partial(deadline.check, until, task))
             case SaveHost():
                 return self._save_host(task, keys)
             case LoadHost():
@@ -159,19 +164,19 @@ class DataPath:
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
 
-    def _save(self, task: Save, keys: KeyScheme) -> Outcome:
+    def _save(self, task: Save, keys: KeyScheme, go_on: GoOn) -> Outcome:
         self._same_length(task.block_hashes, task.device_block_ids, "device_block_ids")
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
         self.copier.check_device_ids(dev, destination=False)
         try:
             skipped = self.storage.exists_prefix(storage_keys)  # already stored
-            stored, moved = self.route.put(storage_keys[skipped:], dev[skipped:])
+            stored, moved = self.route.put(storage_keys[skipped:], dev[skipped:], go_on)
         except StorageUnavailable as e:
             return Outcome(Status.ERROR, message=f"storage unavailable: {e}")
         return _prefix_outcome(task.device_block_ids, skipped + stored, moved, "stored", skipped)
 
-    def _load(self, task: Load, keys: KeyScheme) -> Outcome:
+    def _load(self, task: Load, keys: KeyScheme, go_on: GoOn) -> Outcome:
         self._same_length(task.block_hashes, task.device_block_ids, "device_block_ids")
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
@@ -180,7 +185,7 @@ class DataPath:
         try:
             while done < len(storage_keys):  # a chunk stops at the first object not loaded
                 chunk = slice(done, min(len(storage_keys), done + route.load_step))
-                fetched, good = route.fetch(storage_keys[chunk], dev[chunk])
+                fetched, good = route.fetch(storage_keys[chunk], dev[chunk], go_on)
                 verified = leading_true(good.tolist())
                 if verified < fetched:
                     self.storage.report_corrupt(

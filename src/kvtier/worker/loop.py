@@ -37,6 +37,7 @@ from kvtier.transport.base import Peer
 from kvtier.transport.connect import server_transport
 from kvtier.transport.endpoint import EndpointClaim
 from kvtier.transport.turns import TurnSender
+from kvtier.worker import deadline
 from kvtier.worker.config import WorkerConfig
 from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.engine_watch import EngineWatch
@@ -209,7 +210,8 @@ class Worker:
             return
         self.watch.heard()
         if isinstance(message, t.DATA_TASKS):
-            item = (peer, message, self.resources.keys)  # stamped with the version in force now
+            # Stamped with the version in force now, and with when the client gives up.
+            item = (peer, message, self.resources.keys, deadline.cutoff(message))
             refusal = self.gate.admit(item, self.runner.submit)
             if refusal is not None:
                 stopping = refusal is Refusal.STOPPING
@@ -358,5 +360,4 @@ class Worker:
 
 def _weigh(item: Item) -> tuple[Peer, int]:
     """A task's owner (its peer) and size: every block id and hash it carries."""
-    peer, task, _ = item
-    return peer, t.id_count(task)
+    return item[0], t.id_count(item[1])

@@ -18,12 +18,17 @@ Both return the leading run of blocks that are stored (saves) or verified in pla
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
 from kvtier.memory.copier import BlockCopier
 from kvtier.memory.host import HostPool
 from kvtier.storage.base import StorageBackend
+
+# Called with where a task stands before device blocks are touched; raises DeadlinePassed once
+# its client may have given up (``kvtier.worker.deadline``).
+GoOn = Callable[[str], None]
 
 
 class StagedRoute:
@@ -45,13 +50,14 @@ class StagedRoute:
     def load_step(self) -> int:
         return self.load_staging.size
 
-    def put(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, int]:
+    def put(self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn) -> tuple[int, int]:
         """Store the objects of ``dev``'s blocks; (leading blocks stored, bytes written)."""
         staging, done, moved = self.save_staging, 0, 0
         while done < len(storage_keys):
             chunk = slice(done, min(len(storage_keys), done + staging.size))
             ids = staging[: chunk.stop - chunk.start]
             with self.save_lock:
+                go_on(f"before reading blocks {done}.. of its device blocks")
                 self.copier.swap_out(dev[chunk], ids, checksum=True, checked=True)
                 blocks = [self.host_pool.block(int(i)) for i in ids]
                 ok = self.storage.put_from(
@@ -64,7 +70,9 @@ class StagedRoute:
                 break
         return done, moved
 
-    def fetch(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
+    def fetch(
+        self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn
+    ) -> tuple[int, np.ndarray]:
         """Into the load staging, then verified inside the host->device copy. Returns
         (objects fetched, per fetched block: copied to the device)."""
         ids = self.load_staging[: dev.size]
@@ -73,6 +81,7 @@ class StagedRoute:
         with self.load_lock:
             fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums))
             self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
+            go_on("after its transfer from the store, before the copy into its device blocks")
             return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched], checked=True)
 
 
@@ -83,16 +92,20 @@ class DirectRoute:
     def __init__(self, copier: BlockCopier, storage: StorageBackend) -> None:
         self.copier, self.storage = copier, storage
 
-    def put(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, int]:
+    def put(self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn) -> tuple[int, int]:
         """Each object written straight from the device block's pieces (hashed there)."""
+        go_on("before reading its device blocks")
         ok = self.storage.put_from_scattered(
             storage_keys, self.copier.device_pieces(dev, writable=False, checked=True)
         )
         return leading_true(ok), sum(ok) * self.storage.payload_bytes
 
-    def fetch(self, storage_keys: list[str], dev: np.ndarray) -> tuple[int, np.ndarray]:
+    def fetch(
+        self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn
+    ) -> tuple[int, np.ndarray]:
         """Straight into the device blocks' pieces, verified by the backend right after it
         reads each one (a block that fails is zeroed there, counted corrupt and removed)."""
+        go_on("before reading into its device blocks")
         pieces = self.copier.device_pieces(dev, checked=True)
         got = self.storage.get_into_scattered(storage_keys, pieces)
         fetched = leading_true(got)

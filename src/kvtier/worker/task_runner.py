@@ -25,10 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvtier.errors import KvtierError
+from kvtier.errors import DeadlinePassed, KvtierError
 from kvtier.layout.keys import KeyScheme
 from kvtier.transport import tasks as t
 from kvtier.transport.base import Peer
+from kvtier.worker import deadline
 from kvtier.worker.datapath import Outcome
 from kvtier.worker.gate import Gate
 from kvtier.worker.resources import RankResources
@@ -48,7 +49,8 @@ BACKGROUND_NICE = 10
 STORAGE_TASKS = (t.Save, t.Load, t.SaveHost, t.LoadHost)
 SAVES = (t.Save, t.SaveHost)
 
-Item = tuple[Peer, Any, KeyScheme]  # (peer, data task, the keys it was stamped with)
+# (peer, data task, the keys it was stamped with, when it leaves its blocks: ``deadline``)
+Item = tuple[Peer, Any, KeyScheme, float]
 Send = Callable[[Peer, bytes], None]  # an encoded Result
 
 
@@ -83,7 +85,7 @@ class TaskRunner:
 
     def submit(self, item: Item) -> None:
         """Run ``item`` (called under the gate's lock, by the loop thread or a resume)."""
-        _, task, _ = item
+        task = item[1]
         direction = t.DIRECTIONS[type(task)]
         with self._lock:
             busy = self._busy[direction]
@@ -116,7 +118,7 @@ class TaskRunner:
             return {d.value: self._queued[d] for d in t.Direction}
 
     def cancel(self, item: Item, why: str) -> None:
-        peer, task, _ = item
+        peer, task = item[0], item[1]
         cancelled = t.Result(
             task_id=task.task_id, status=t.Status.CANCELLED, message=why, rank=self.rank
         )
@@ -171,7 +173,7 @@ class TaskRunner:
 
     def _run(self, item: Item, queued: bool) -> None:
         """``queued``: it waited in an executor's queue (inline runs never count as queued)."""
-        peer, task, keys = item
+        peer, task, keys, until = item
         direction = t.DIRECTIONS[type(task)]
         if queued:
             with self._lock:
@@ -183,7 +185,7 @@ class TaskRunner:
             )
         start = time.perf_counter()
         try:
-            outcome = self._outcome(task, keys)
+            outcome = self._outcome(task, keys, until)
         finally:
             if saving:
                 self.save_watch.finished()
@@ -221,11 +223,15 @@ class TaskRunner:
             return [], True
         return removed, all_removed
 
-    def _outcome(self, task: Any, keys: KeyScheme) -> Outcome:
+    def _outcome(self, task: Any, keys: KeyScheme, until: float) -> Outcome:
         try:
+            deadline.check(until, task, "before it started")
             if self.resources.datapath is None:
                 raise KvtierError("the data path is closed (sleeping)")
-            return self.resources.datapath.run(task, keys)
+            return self.resources.datapath.run(task, keys, until)
+        except DeadlinePassed as e:
+            log.warning("rank %d: task %d %s", self.rank, task.task_id, e)
+            return Outcome(t.Status.CANCELLED, message=str(e))
         except KvtierError as e:
             self.counters.error(type(e).__name__, self._metrics())
             return Outcome(t.Status.ERROR, message=f"{type(e).__name__}: {e}")
