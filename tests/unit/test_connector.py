@@ -28,6 +28,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+import kvtier.vllm.scheduler as scheduler_module  # noqa: E402
 from kvtier.engine.client import Client  # noqa: E402
 from kvtier.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.vllm.settings import ConnectorSettings  # noqa: E402
@@ -181,7 +182,7 @@ def test_a_prefix_computed_once_is_loaded_by_the_next_request(connector) -> None
 def test_a_load_within_the_step_is_in_vllms_blocks_before_the_forward(connector) -> None:
     """``load_mode: sync``, or ``auto`` (the default) once the store's loads are measured
     shorter than a step: the load is not announced asynchronous, ``start_load_kv`` returns with
-    the bytes in vLLM's blocks, nothing is fenced, and the next request is not kept waiting."""
+    the bytes in vLLM's blocks, and the next request is not kept waiting."""
     scheduler, transfers, worker = connector
     cache = worker.resources.device_cache
     tokens = list(range(1500, 1500 + PROMPT))
@@ -205,7 +206,10 @@ def test_a_load_within_the_step_is_in_vllms_blocks_before_the_forward(connector)
     assert all(same(block(cache, 10 + i), block(cache, i)) for i in range(6))
     assert transfers.get_finished(set())[1] == set()  # not an asynchronous receive
     assert transfers.take_stats().data["loaded_tokens"] == 6 * BS
-    assert scheduler.request_finished(second) == (False, None)  # nothing in flight
+    # Fenced at its end, as every request that loaded within a step (such a load may outlive
+    # its step), and reported sent at once: its load was answered.
+    assert scheduler.request_finished(second) == (True, None)
+    assert transfers.get_finished({"r3"}) == ({"r3"}, set())
     scheduler.build_connector_meta(step([], {}))  # the next step: the load is over
     assert scheduler.get_num_new_matched_tokens(request("r4", tokens), 0) == (6 * BS, False)
 
@@ -230,6 +234,51 @@ def test_a_load_that_fails_slowly_still_says_how_slow_its_tier_is(connector) -> 
     assert [n for n, _ in meta.load_times] == [(6,)] and meta.load_times[0][1] >= 0.6
     scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
     assert scheduler.decide.store.samples == 1
+
+
+@pytest.mark.parametrize(
+    "connector",
+    [{"worker_storage": {"backend": "memory", "faults": {"transfer_latency_s": 1.0}}}],
+    indirect=True,
+)
+def test_a_load_within_the_step_whose_store_stalls_holds_the_step_no_longer_than_its_wait(
+    connector, monkeypatch
+) -> None:
+    """``auto`` chose a load within the step from a store measured fast, and the store then
+    stalls (1 s a transfer): the step waits ``IN_STEP_WAIT_S`` (0.3 s here), not until the
+    load is answered (``task_timeout_s``, 120 s by default). vLLM recomputes the blocks, the
+    wait is a sample of the tier, and the request, fenced at its end, is reported sent only once
+    the load is answered: the load may still write its blocks (with the same tokens' KV)."""
+    monkeypatch.setattr(scheduler_module, "IN_STEP_WAIT_S", 0.3)
+    scheduler, transfers, worker = connector
+    cache = worker.resources.device_cache
+    tokens = list(range(5200, 5200 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r1", tokens), list(range(0, 7)))
+    for n in (2, 4, 6):
+        scheduler.decide.loaded(n, 0.0002 * n)  # measured fast before it stalled
+    for i in range(4):
+        scheduler.decide.step(128, 100.0 + 0.02 * i)
+    second = request("r2", tokens)
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (6 * BS, False)
+    ids = list(range(10, 17))
+    scheduler.update_state_after_alloc(second, blocks(ids), 6 * BS)
+    meta = scheduler.build_connector_meta(step([(second, ids, 96)], {"r2": 4}))
+    assert [(s.sync, s.wait_s) for s in meta.loads] == [(True, 0.3)]
+    start = time.monotonic()
+    transfers.start_load_kv(meta)
+    waited = time.monotonic() - start
+    assert 0.3 <= waited < 0.9, waited  # not the store's 1 s
+    assert transfers.load_errors() == set(ids[:6])  # vLLM recomputes them
+    worker_meta = transfers.worker_meta()
+    assert worker_meta.failed_hashes == set(second.block_hashes[:6])
+    assert [n for n, _ in worker_meta.load_times] == [(6,)]
+    assert worker_meta.load_times[0][1] >= 0.3
+    assert scheduler.request_finished(second) == (True, None)  # fenced: the load goes on
+    assert transfers.get_finished({"r2"}) == (set(), set())
+    until(lambda: transfers.get_finished(set())[0] == {"r2"})  # once the load is answered
+    assert time.monotonic() - start >= 1.0
+    assert all(same(block(cache, 10 + i), block(cache, i)) for i in range(6))
+    assert transfers.take_stats().data["failed_tokens"] == 6 * BS
 
 
 @pytest.mark.parametrize("connector", [{"load_mode": "sync"}], indirect=True)

@@ -73,6 +73,10 @@ MIN_DECLINE_S = 0.05
 # load_mode auto: a load runs within its step (the forward waits) only if it is estimated at
 # most this long — every request running in that step shares the wait.
 SYNC_MAX_S = 0.05
+# ... and the step waits for it at most this long (20 times that bound): a load that takes it is
+# a stalled store, not a slow one. Its blocks are recomputed; the load goes on without the step
+# (its request's blocks are kept until it is answered: ``kvtier.vllm.transfers``).
+IN_STEP_WAIT_S = 1.0
 
 
 class LinearFit:

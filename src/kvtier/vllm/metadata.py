@@ -25,6 +25,9 @@ class LoadSpec:
     block_ids: list[int]
     sync: bool = False  # the step's forward waits for it (no WAITING_FOR_REMOTE_KVS)
     tiers: bytes = b""  # each block's storage tier, as the lookup found them (Result.tiers)
+    # An in-step load's longest wait (``load_mode: auto``: ``IN_STEP_WAIT_S``); None: until
+    # answered (``task_timeout_s`` at most).
+    wait_s: float | None = None
 
     def per_tier(self, blocks: int | None = None) -> tuple[int, ...]:
         """How many of the first ``blocks`` (default: all) come from each tier."""

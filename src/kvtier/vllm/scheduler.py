@@ -39,7 +39,7 @@ from typing import Any
 
 from kvtier.engine.client import Client
 from kvtier.errors import KvtierError
-from kvtier.vllm.decide import LoadOrRecompute
+from kvtier.vllm.decide import IN_STEP_WAIT_S, LoadOrRecompute
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.worker.config import endpoint_for
 
@@ -77,6 +77,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading full prompt blocks already submitted for saving
     has_saves: bool = False
+    loaded_in_step: bool = False  # fenced when it finishes: an in-step load may outlive its step
 
 
 class SchedulerSide:
@@ -191,7 +192,10 @@ class SchedulerSide:
             return
         hashes = list(request.block_hashes[first : first + n])
         ids = tracked.block_ids[first : first + n]
-        self._loads_out.append(LoadSpec(request.request_id, hashes, ids, in_step, tiers[:n]))
+        wait_s = IN_STEP_WAIT_S if in_step and self.load_mode == "auto" else None
+        spec = LoadSpec(request.request_id, hashes, ids, in_step, tiers[:n], wait_s)
+        self._loads_out.append(spec)
+        tracked.loaded_in_step |= in_step
         self._loading[request.request_id] = (hashes, in_step)
         self._loading_hashes.update(hashes)
         if in_step:
@@ -314,10 +318,11 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        # A load within the step ended there (the forward waited for it): nothing to fence.
         load = self._loading.get(request.request_id)
         loading = load is not None and not load[1]
-        saving = tracked is not None and tracked.has_saves
+        # A load within the step that its step stopped waiting for may still be running: its
+        # worker sides report the request sent once it is answered (``StepTransfers``).
+        saving = tracked is not None and (tracked.has_saves or tracked.loaded_in_step)
         return loading or saving, None
 
     def reset_cache(self) -> bool:

@@ -30,9 +30,10 @@ class ConnectorSettings:
     - ``load_mode``: ``auto`` (default: per request, ``sync`` for a load estimated shorter
       than a step, ``async`` otherwise — ``kvtier.vllm.decide``), ``async`` (a hit waits in
       WAITING_FOR_REMOTE_KVS while other requests run) or ``sync`` (loads run before the
-      step's forward, which waits for them). A load within the step that stalls holds the
-      step until it is answered (``task_timeout_s`` at most): the worker may still be writing
-      the blocks, so they are neither read nor recomputed before.
+      step's forward, which waits for them). A load within the step that stalls holds an
+      ``auto`` step 1 s at most (``decide.IN_STEP_WAIT_S``; ``sync``: until it is answered,
+      ``task_timeout_s`` at most); its blocks are then recomputed while it goes on, and its
+      request keeps them until it is answered.
     - ``load_or_recompute``: decline a hit whose load is estimated slower than recomputing it,
       from measured rates (default True; ``kvtier.vllm.decide``; counted in
       ``declined_tokens``).

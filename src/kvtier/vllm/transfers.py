@@ -1,15 +1,19 @@
 """StepTransfers: one vLLM rank's loads and saves, step by step, as kvtier tasks.
 
-What the worker side does each step, apart from vLLM's set-up (``kvtier.vllm.worker``): submit
-the step's loads and saves to this rank's kvtier worker, report which requests finished
-receiving or sending, which blocks failed to load (vLLM recomputes exactly those), and count
-what really happened. It needs only a ``Client`` and the block size, so it is tested without an
-engine (``tests/unit/test_connector.py``).
+What the worker side does each step, apart from vLLM's set-up (``kvtier.vllm.worker``): submit the
+step's loads and saves to this rank's kvtier worker, report which requests finished receiving or
+sending, which blocks failed to load (vLLM recomputes exactly those), and count what really
+happened. It needs only a ``Client`` and the block size, so it is tested without an engine
+(``tests/unit/test_connector.py``).
 
-Loads and saves are asynchronous. A load's answer names the prefix of blocks it filled; the rest
-are reported through ``load_errors`` in the same step the request is reported finished
-receiving. Saves never block a step; a finished request is reported sent once every save of it
-was answered (its blocks are kept until then). Saves are counted when answered, from the
+Loads and saves are asynchronous. A load's answer names the prefix of blocks it filled; the rest are
+reported through ``load_errors`` in the same step the request is reported finished receiving. A load
+within the step is waited for before the forward, for ``LoadSpec.wait_s`` at most: past that its
+store stalls, so its blocks are reported failed (vLLM recomputes them) and the load goes on. It can
+only write the request's own blocks, with the KV of the same tokens; the request is reported sent
+once it is answered, so its blocks are never freed under it (the scheduler side fences every request
+that loaded within a step). Saves never block a step; a finished request is reported sent once every
+save of it was answered (its blocks are kept until then). Saves are counted when answered, from the
 client's I/O thread: written and already-stored tokens apart.
 """
 
@@ -43,6 +47,7 @@ class StepTransfers:
         self.stats = KvtierConnectorStats()
         self._stats_lock = threading.Lock()
         self._loads: dict[str, tuple[Future, LoadSpec]] = {}
+        self._in_step: dict[str, Future] = {}  # each request's last load within a step
         self._saves: dict[str, list[Future]] = defaultdict(list)
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
@@ -67,8 +72,12 @@ class StepTransfers:
             else:
                 self._loads[spec.req_id] = (future, spec)
         for future, spec in sync:  # this step's forward reads these blocks: wait for them
-            _wait(future)
-            self._account_load(future, spec)
+            _wait(future, spec.wait_s or FENCE_TIMEOUT_S)
+            self._in_step[spec.req_id] = future
+            if future.done():
+                self._account_load(future, spec)
+            else:
+                self._stop_waiting(future, spec)
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         """Submit this step's saves, every request's in one task; never waits for them (they
@@ -95,6 +104,8 @@ class StepTransfers:
         for req_id in meta.preempted:
             for future in self._saves.get(req_id, ()):
                 _wait(future)
+            if req_id in self._in_step:  # kept: the request is reported sent when it finishes
+                _wait(self._in_step[req_id])
 
     def _submit(self, task: Any) -> Future:
         if self.client is None:
@@ -118,15 +129,16 @@ class StepTransfers:
         for req_id in recving:
             future, spec = self._loads.pop(req_id)
             self._account_load(future, spec)
-        self._finished |= finished_req_ids & set(self._saves)
+        # Fenced by the scheduler side: those with saves, and those that loaded within a step.
+        self._finished |= finished_req_ids & (set(self._saves) | set(self._in_step))
         sending = set()
         for req_id in list(self._finished):
-            if all(f.done() for f in self._saves[req_id]):
+            load = self._in_step.get(req_id)
+            if all(f.done() for f in self._saves.get(req_id, ())) and (load is None or load.done()):
                 sending.add(req_id)
                 self._finished.discard(req_id)
-                del self._saves[req_id]
-        for req_id in finished_req_ids - set(self._saves) - set(self._loads):
-            self._saves.pop(req_id, None)
+                self._saves.pop(req_id, None)
+                self._in_step.pop(req_id, None)
         return sending, recving
 
     def load_errors(self) -> set[int]:
@@ -164,6 +176,8 @@ class StepTransfers:
         for futures in self._saves.values():
             for future in futures:
                 _wait(future)
+        for future in self._in_step.values():
+            _wait(future)
 
     # ---- accounting -------------------------------------------------------------------------
 
@@ -188,6 +202,24 @@ class StepTransfers:
         self._failed_hashes.update(spec.block_hashes[loaded:])
         bs = self.block_size
         self._count(loaded_tokens=loaded * bs, failed_tokens=len(failed) * bs)
+
+    def _stop_waiting(self, future: Future, spec: LoadSpec) -> None:
+        """An in-step load not answered within ``spec.wait_s``: its store stalls. vLLM
+        recomputes its blocks; the time so far is a floor of its tiers' load time (so the next
+        loads from them go asynchronous or are declined); the load goes on."""
+        log.warning(
+            "kvtier load for %s within the step: not answered in %.1f s (a stalled store?); "
+            "its %d blocks are recomputed, and its request keeps them until it is answered",
+            spec.req_id,
+            spec.wait_s,
+            len(spec.block_ids),
+        )
+        started, _ = getattr(future, "kvtier_times", (_now(), None))
+        with self._stats_lock:
+            self._load_times.append((spec.per_tier(), _now() - started))
+        self._load_errors.update(spec.block_ids)
+        self._failed_hashes.update(spec.block_hashes)
+        self._count(failed_tokens=len(spec.block_ids) * self.block_size)
 
     def _account_save(self, future: Future, hashes: list[bytes]) -> None:
         with self._stats_lock:
