@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import threading
+from unittest import mock
+
+import numpy as np
+import pytest
 
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.arena import ArenaStore
+from kvtier.storage.format import ObjectFormat
 from kvtier.storage.memory import MemoryStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+from kvtier.testing.contract_base import reseal
+
+CHECK_MAC = ObjectFormat._check_mac  # the real check, spied on (counted, still run)
 
 
 class TestMemoryStore(StoreContract):
@@ -95,3 +103,40 @@ def test_a_slot_being_read_is_never_reused_by_a_save() -> None:
         threads[0].join(120)
     assert not errors, errors[0]
     assert store.stats.corrupt == 0
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["MemoryStore", "ArenaStore"])
+def test_a_memory_stores_own_objects_load_without_the_mac_planted_ones_with_it(bounded) -> None:
+    """The MAC proves who wrote an object. A memory store's puts write this process's private
+    memory, so a load of their objects skips the keyed BLAKE3 (a quarter of a memcpy's speed)
+    and checks the checksum; an object that came through ``write_object`` — even a genuine one —
+    is checked in full, and a forged one is refused."""
+    mac_key = b"m" * 32
+    if bounded:
+        store = ArenaStore(CONTRACT_SPEC, 8 * OBJECT_BYTES, mac_key=mac_key)
+    else:
+        store = MemoryStore(CONTRACT_SPEC, mac_key=mac_key)
+    keys = make_keys(3)
+    with HostPool(CONTRACT_SPEC, 8) as pool, store:
+        for key, i in zip(keys, range(3)):
+            pool.block(i).copy_(expected_block(key, CONTRACT_SPEC.block_bytes))
+        assert store.put_from(keys, [pool.block(i) for i in range(3)]) == [True] * 3
+        want = [bytes(pool.block(i).numpy()) for i in range(3)]
+        genuine = store.read_object(keys[1])
+        forged = reseal(genuine, bytes(CONTRACT_SPEC.block_bytes))  # checksums made right
+        spy = mock.patch.object(ObjectFormat, "_check_mac", autospec=True, side_effect=CHECK_MAC)
+        with spy as check_mac:
+            targets = [[memoryview(bytearray(CONTRACT_SPEC.block_bytes))] for _ in keys]
+            assert store.get_into_scattered(keys, targets) == [True] * 3
+            sums = np.zeros(3, dtype=np.uint64)
+            blocks = [pool.block(4 + i) for i in range(3)]
+            assert store.get_into(keys, blocks, checksums_out=sums) == [True] * 3
+            assert check_mac.call_count == 0
+        assert [bytes(t[0]) for t in targets] == want
+        assert [bytes(b.numpy()) for b in blocks] == want
+        with spy as check_mac:
+            store.write_object(keys[1], genuine)
+            assert store.get_into(keys[1:2], [pool.block(7)]) == [True]
+            assert check_mac.call_count == 1 and bytes(pool.block(7).numpy()) == want[1]
+            store.write_object(keys[2], forged)
+            assert store.get_into(keys[2:3], [pool.block(7)]) == [False]

@@ -5,8 +5,11 @@ at start as a ``HostPool`` of ``N // (64 + block_bytes)`` slots (pre-touched, so
 for page faults; pinned where CUDA is present, so a hit is one DMA away), each slot holding one
 object, ``[header | block]``. A save is one copy into a free slot (or the least recently used
 one: its object is handed to ``watch_spills`` first), a load one copy out of it; both check the
-object format exactly as every backend does. Without ``capacity_bytes`` the memory backend is
-``MemoryStore`` (objects as Python bytes, growing without bound).
+object format exactly as every backend does — except the MAC of an object this store's own put
+wrote: the slab is this process's private memory, so its authorship is known, and a load of it
+skips the keyed BLAKE3 (3.5 GB/s, a quarter of a memcpy) while the checksum still covers its
+bytes. An object given to ``write_object`` is checked in full. Without ``capacity_bytes`` the
+memory backend is ``MemoryStore`` (objects as Python bytes, growing without bound).
 
 Slots being read are pinned: a save never reuses a slot while a load copies out of it.
 """
@@ -55,6 +58,9 @@ class ArenaStore(StorageBackend):
         self._free = list(range(slots - 1, -1, -1))
         self._pins: Counter[int] = Counter()
         self._sound: set[str] = set()  # objects whose header is known sound
+        # Slots whose object a put of this store wrote (not ``write_object``): in this process's
+        # private memory, so their reads skip the MAC (``ObjectFormat.check``'s ``mac``).
+        self._authored = np.zeros(slots, dtype=bool)
         self._lock = threading.Condition()
         self._spill: Callable[[list[tuple[str, bytes]]], None] | None = None
 
@@ -105,6 +111,7 @@ class ArenaStore(StorageBackend):
                 self._release(old)
             self._slots[key] = slot
             self._lengths[slot] = length
+            self._authored[slot] = sound  # sound here: a header this store built
             (self._sound.add if sound else self._sound.discard)(key)
 
     def _pin(self, key: str) -> int | None:
@@ -173,7 +180,13 @@ class ArenaStore(StorageBackend):
                 block.copy_(self._blocks[slot])
                 payload = block.numpy().data
                 self.format.check_or_defer(
-                    data[:HEADER_BYTES], payload, key, checksums_out, i, fields=fields
+                    data[:HEADER_BYTES],
+                    payload,
+                    key,
+                    checksums_out,
+                    i,
+                    fields=fields,
+                    mac=not self._authored[slot],
                 )
                 results.append(True)
             except ObjectCorrupt as e:
@@ -198,7 +211,12 @@ class ArenaStore(StorageBackend):
                     view[:] = data[offset : offset + len(view)]
                     offset += len(view)
                 self.format.check(
-                    data[:HEADER_BYTES], views, key, self.payload_bytes, fields=fields
+                    data[:HEADER_BYTES],
+                    views,
+                    key,
+                    self.payload_bytes,
+                    fields=fields,
+                    mac=not self._authored[slot],
                 )
             except ObjectCorrupt as e:
                 for view in views:

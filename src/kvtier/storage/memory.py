@@ -33,6 +33,9 @@ class MemoryStore(StorageBackend):
         # Stored objects whose header is known sound: written by a put here, or checked once.
         # (An object is immutable; only ``write_object`` replaces one, and it is checked again.)
         self._sound: set[str] = set()
+        # Objects a put of this store encoded (not ``write_object``): in this process's memory,
+        # so their reads skip the MAC (``ObjectFormat.check``'s ``mac``; the checksum stays).
+        self._authored: set[str] = set()
         self._used = 0
         self._lock = threading.Lock()
         self._spill: Callable[[list[tuple[str, bytes]]], None] | None = None
@@ -74,6 +77,7 @@ class MemoryStore(StorageBackend):
         for i, (key, block) in enumerate(zip(keys, host_blocks)):
             with self._lock:
                 data = self._objects.get(key)
+                authored = key in self._authored
                 if data is not None:
                     self._objects.move_to_end(key)
             if data is None:
@@ -83,9 +87,8 @@ class MemoryStore(StorageBackend):
             try:
                 if len(data) != self.object_bytes:
                     raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
-                self.format.check_or_defer(
-                    view[:HEADER_BYTES], view[HEADER_BYTES:], key, checksums_out, i
-                )
+                header, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
+                self.format.check_or_defer(header, payload, key, checksums_out, i, mac=not authored)
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
                 self.delete([key])
@@ -101,6 +104,7 @@ class MemoryStore(StorageBackend):
         for key, views in zip(keys, targets):
             with self._lock:
                 data = self._objects.get(key)
+                authored = key in self._authored
             if data is None or not self._header_ok(key):
                 break  # the prefix ends here: later keys are not read
             offset = HEADER_BYTES
@@ -108,7 +112,8 @@ class MemoryStore(StorageBackend):
                 view[:] = data[offset : offset + len(view)]
                 offset += len(view)
             try:
-                self.format.check(data[:HEADER_BYTES], views, key, offset - HEADER_BYTES)
+                length = offset - HEADER_BYTES
+                self.format.check(data[:HEADER_BYTES], views, key, length, mac=not authored)
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
                 self.delete([key])
@@ -148,13 +153,16 @@ class MemoryStore(StorageBackend):
             self._used += len(data)
             if sound:
                 self._sound.add(key)
+                self._authored.add(key)
             else:
                 self._sound.discard(key)
+                self._authored.discard(key)
             evicted = []
             while self.capacity_bytes is not None and self._used > self.capacity_bytes:
                 victim_key, victim = self._objects.popitem(last=False)
                 self._used -= len(victim)
                 self._sound.discard(victim_key)
+                self._authored.discard(victim_key)
                 evicted.append((victim_key, victim))
         if evicted:
             self.stats.add(evictions=len(evicted))
@@ -168,6 +176,7 @@ class MemoryStore(StorageBackend):
             for key in keys:
                 data = self._objects.pop(key, None)
                 self._sound.discard(key)
+                self._authored.discard(key)
                 if data is not None:
                     self._used -= len(data)
                     removed += 1
