@@ -461,6 +461,12 @@ def test_oversized_lists_are_refused_at_decode() -> None:
     assert t.peek_task_id(big) == 4  # answered with an error, not dropped
     with pytest.raises(msgspec.ValidationError, match="length <= 64"):
         t.decode(t.encode(t.Lookup(block_hashes=[b"x" * 65])))
+    for timeout_ms in (-1, t.MAX_TIMEOUT_MS + 1):  # a deadline is bounded like the rest
+        bad = msgspec.msgpack.encode(
+            {"type": "lookup", "task_id": 5, "block_hashes": [], "timeout_ms": timeout_ms}
+        )
+        with pytest.raises(msgspec.ValidationError, match="timeout_ms"):
+            t.decode(bad)
     deep = b"\x83\xa4type\xa7control\xa7task_id\x05\xa1z" + b"\x91" * 50_000 + b"\x01"
     with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
         t.decode(deep)
