@@ -71,8 +71,9 @@ class StepTransfers:
                 sync.append((future, spec))
             else:
                 self._loads[spec.req_id] = (future, spec)
+        since = _now()  # a wait (``LoadSpec.wait_s``) is the step's, shared by its loads
         for future, spec in sync:  # this step's forward reads these blocks: wait for them
-            _wait(future, spec.wait_s or FENCE_TIMEOUT_S)
+            _wait(future, FENCE_TIMEOUT_S if spec.wait_s is None else since + spec.wait_s - _now())
             self._in_step[spec.req_id] = future
             if future.done():
                 self._account_load(future, spec)
@@ -278,6 +279,6 @@ def _time(future: Future) -> None:
 
 def _wait(future: Future, timeout_s: float = FENCE_TIMEOUT_S) -> None:
     try:
-        future.result(timeout_s)
+        future.result(max(0.0, timeout_s))
     except Exception:  # answered with an error, lost or timed out: the bytes are not read
         pass
