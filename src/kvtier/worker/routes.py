@@ -57,7 +57,7 @@ class StagedRoute:
             chunk = slice(done, min(len(storage_keys), done + staging.size))
             ids = staging[: chunk.stop - chunk.start]
             with self.save_lock:
-                go_on(f"before reading blocks {done}.. of its device blocks")
+                go_on("before reading a chunk of its device blocks")
                 self.copier.swap_out(dev[chunk], ids, checksum=True, checked=True)
                 blocks = [self.host_pool.block(int(i)) for i in ids]
                 ok = self.storage.put_from(
