@@ -6,8 +6,8 @@ checksum=True, swap_in_verified): the price of end-to-end integrity on the save 
 For each block size and block count it times, on the same preallocated, pre-touched memory:
 - kvtier's BlockCopier (random device ids -> random host ids, every layer and part);
 - the limit: the fastest plain contiguous copy of the same number of bytes — on CPU the best
-  of torch ``copy_``, numpy ``copyto`` and libc ``memmove``; on CUDA ``copy_`` to or from
-  pinned memory;
+  of torch ``copy_``, numpy ``copyto``, libc ``memmove`` and a copy with non-temporal stores
+  (kvtier's native one, on one range); on CUDA ``copy_`` to or from pinned memory;
 - the old design: a Python loop of one ``copy_`` per block per layer per part.
 """
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
+from kvtier.memory.copier import _copy
 from kvtier.memory.device import cache_name
 from kvtier_bench.common import (
     emit,
@@ -149,23 +150,24 @@ def _time_direction(args, cache, pool, copier, dev_ids, host_ids, direction: str
             "op": lambda: copier.swap_out(dev_ids, host_ids),
             "hashed": lambda: copier.swap_out(dev_ids, host_ids, checksum=True),
         }
-        fns.update(_plain_copies(host_flat[:nbytes], dev_flat, cuda))
+        fns.update(plain_copies(host_flat[:nbytes], dev_flat, cuda))
     else:
         fns = {
             "op": lambda: copier.swap_in(host_ids, dev_ids),
             "hashed": lambda: _check_all(copier.swap_in_verified(host_ids, dev_ids)),
         }
-        fns.update(_plain_copies(dev_flat, host_flat[:nbytes], cuda))
+        fns.update(plain_copies(dev_flat, host_flat[:nbytes], cuda))
     fns["loop"] = _loop(cache, pool, dev_ids, host_ids, direction, cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     return interleaved_timings(fns, args.runs, sync, MIN_SAMPLE_S)
 
 
-def _plain_copies(dst: torch.Tensor, src: torch.Tensor, cuda: bool) -> dict:
+def plain_copies(dst: torch.Tensor, src: torch.Tensor, cuda: bool) -> dict:
     """The limit: plain copies of the same bytes, one contiguous range to another. On CPU the
-    best of torch ``copy_``, numpy ``copyto`` and libc ``memmove`` (via ctypes) is the limit,
-    so kvtier's copier is measured against the fastest plain copy this machine has, not one
-    it happens to beat; on CUDA, ``copy_`` to or from pinned memory (one DMA)."""
+    best of torch ``copy_``, numpy ``copyto``, libc ``memmove`` (via ctypes) and a copy with
+    non-temporal stores (``_streaming_copy``) is the limit, so kvtier's copier is measured
+    against the fastest plain copy this machine has, not one it happens to beat; on CUDA,
+    ``copy_`` to or from pinned memory (one DMA)."""
     copies = {"limit:torch": lambda: dst.copy_(src, non_blocking=cuda)}
     if not cuda:
         import ctypes
@@ -181,7 +183,21 @@ def _plain_copies(dst: torch.Tensor, src: torch.Tensor, cuda: bool) -> dict:
             copies[f"limit:memmove 256K x{threads}"] = _parallel_memmove(
                 dst_ptr, src_ptr, n, threads, CHUNK
             )
+        for t in sorted({1, threads}):  # non-temporal stores: no read of the destination first
+            if n % t == 0 and _copy is not None:
+                copies[f"limit:streaming x{t}"] = _streaming_copy(dst_ptr, src_ptr, n, t)
     return copies
+
+
+def _streaming_copy(dst: int, src: int, n: int, threads: int):
+    """One contiguous range copied with non-temporal stores (kvtier's native piece copy, one
+    piece per thread): glibc's memmove reads each destination line before writing it unless a
+    copy is very large, so on some machines this plain copy is the fastest."""
+    chunk = n // threads
+    one = np.array([chunk], dtype=np.int64)
+    ids = np.arange(threads, dtype=np.int64)
+    args = (np.array([dst], np.int64), one, ids, np.array([src], np.int64), one, ids, one)
+    return lambda: _copy.copy_indexed(*args, threads)
 
 
 # One large memmove switches glibc to non-temporal stores past a size threshold, slower on some

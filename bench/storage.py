@@ -3,7 +3,9 @@
 Ops: ``save`` hashes each payload in the backend; ``save_prehashed`` uses the checksum the copier
 recorded while it wrote the block (the worker's save path); ``load`` verifies every payload in
 the backend; ``load_deferred`` checks headers and leaves the payload check to the host->device
-copy, which hashes while it copies (the worker's load path; see ``kvtier bench copy``).
+copy, which hashes while it copies (the worker's load path; see ``kvtier bench copy``);
+``load_scattered`` (memory) reads straight into the pieces of blocks laid out as a CPU device
+cache lays them, verified as it goes (the direct route: vLLM on CPU).
 
 - file: kvtier's FileStore (header, checksum, temp file + rename, index) against a raw write /
   read of the same bytes in the same number of files over as many directories, with the same
@@ -14,12 +16,11 @@ copy, which hashes while it copies (the worker's load path; see ``kvtier bench c
   ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
   pool, through the same client.
 - memory: a tier chain's memory tier (``tiers: [memory, file]``, loads served from memory)
-  against one contiguous memcpy of the same bytes.
-GB/s counts payload bytes (the page-first blocks) for both.
-
-``--mac on`` (or ``both``) runs kvtier's side with authenticated objects (``storage.mac_key_file``:
-a 128-bit keyed BLAKE3 MAC over every object, made on save and checked on load): ``both`` shows
-what authentication costs.
+  against the fastest plain contiguous copy of the same bytes (``raw_kind``: torch, numpy,
+  memmove or non-temporal stores, on one or more threads; ``kvtier bench copy``'s limit).
+GB/s counts payload bytes (the page-first blocks) for both. ``--mac on`` (or ``both``) runs
+kvtier's side with authenticated objects (``storage.mac_key_file``: a 128-bit keyed BLAKE3 MAC
+over every object, made on save and checked on load): ``both`` shows what authentication costs.
 """
 
 from __future__ import annotations
@@ -44,8 +45,16 @@ from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
 from kvtier.transport import auth
 from kvtier_bench.common import Timing, emit, gbps, log2_axes, progress, save_plot, standalone
+from kvtier_bench.copy import plain_copies
 from kvtier_bench.options import storage_arguments as add_arguments
-from kvtier_bench.storage_raw import RawFiles, RawMooncake, mooncake_store
+from kvtier_bench.storage_raw import (
+    RawFiles,
+    RawMooncake,
+    best_limit,
+    device_like_pieces,
+    drop_page_cache,
+    mooncake_store,
+)
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -225,7 +234,7 @@ def _file_loads(args, spec, store, raw: RawFiles) -> list[dict]:
 
         def load(out, cold=cold):
             if cold:
-                _drop_page_cache(store, keys)
+                drop_page_cache(store, keys)
             assert all(store.get_into(keys, raw.targets, out)), "bench storage: a load missed"
 
         trials = {
@@ -240,22 +249,28 @@ def _file_loads(args, spec, store, raw: RawFiles) -> list[dict]:
 # ---- memory -----------------------------------------------------------------------------------
 
 
+def _memory_rows(spec, n, timings: dict[str, Timing], runs: int) -> list[dict]:
+    """Rows against the fastest of the plain copies (``limit:*`` trials)."""
+    best, limit, ops = best_limit(timings)
+    rows = _rows("memory", spec, n, {**ops, "raw": limit}, "raw", runs)
+    return [{**row, "raw_kind": best} for row in rows]
+
+
 def _bench_memory(args, spec, pool, n) -> list[dict]:
-    """The memory tier in front of a file store (a tier chain, loads served from memory)
-    against one contiguous memcpy of the same bytes: the limit of any copy out of memory."""
+    """The memory tier in front of a file store, against the fastest plain copy (above)."""
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
     memory = {"backend": "memory", "capacity_bytes": 2 * n * (spec.block_bytes + 64)}
     tiers = [memory, {"backend": "file", "root": str(root)}]
     store = make_backend(spec, {"tiers": tiers, "write": "back", **args.store_options})
-    src, dst = pool.slab[:n], pool.slab[n : 2 * n]
+    plain_src = pool.slab[:n].reshape(-1).clone()
+    plain_dst = torch.zeros_like(plain_src)  # touched: no page faults in the limit
+    copies = plain_copies(plain_dst, plain_src, cuda=False).items()
+    limits = {name: Trial(lambda: None, lambda _, f=f: f()) for name, f in copies}
     blocks = [pool.block(i) for i in range(n)]
     targets = [pool.block(n + i) for i in range(n)]
     try:
-        trials = {
-            "raw": Trial(lambda: None, lambda _: dst.copy_(src)),
-            **_save_trials(store, spec, blocks),
-        }
-        rows = _rows("memory", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        trials = {**limits, **_save_trials(store, spec, blocks)}
+        rows = _memory_rows(spec, n, _interleaved(trials, args.runs), args.runs)
         keys = _keys(spec, n)
         assert all(store.put_from(keys, blocks))
         sums = np.zeros(n, dtype=np.uint64)
@@ -263,14 +278,24 @@ def _bench_memory(args, spec, pool, n) -> list[dict]:
         def load(out):
             assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
 
+        device_like = torch.zeros(n * spec.block_bytes, dtype=torch.uint8)  # touched
+        pieces = device_like_pieces(device_like, spec, n)
+
+        def load_scattered():
+            ok = store.get_into_scattered(keys, pieces)
+            assert all(ok), "bench storage: a scattered load missed or failed its checksum"
+
         trials = {
-            "raw": Trial(lambda: None, lambda _: dst.copy_(src)),
+            **limits,
             "load": Trial(lambda: None, lambda _: load(None)),
             "load_deferred": Trial(lambda: None, lambda _: load(sums)),
+            "load_scattered": Trial(lambda: None, lambda _: load_scattered()),
         }
-        rows += _rows("memory", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
+        rows += _memory_rows(spec, n, _interleaved(trials, args.runs), args.runs)
         load(None)
-        assert torch.equal(src, dst), "bench storage: loaded bytes differ"
+        assert torch.equal(pool.slab[:n], pool.slab[n : 2 * n]), (
+            "bench storage: loaded bytes differ"
+        )
     finally:
         store.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -372,14 +397,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def _drop_page_cache(store, keys) -> None:
-    """The store's objects out of the page cache (cold reads; only clean pages go: after
-    ``os.sync()``), every file first, as the raw row does."""
-    for key in keys:
-        fd = os.open(store._path(key), os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)

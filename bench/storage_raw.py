@@ -1,5 +1,6 @@
-"""The limits `kvtier bench storage` measures against: the same bytes as plain files, and
-Mooncake's own batch API; and the Mooncake store a run uses (with what it started)."""
+"""The limits `kvtier bench storage` measures against: the same bytes as plain files,
+Mooncake's own batch API, the fastest plain copy in memory; and the Mooncake store a run uses
+(with what it started)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from kvtier.storage import file_io, make_backend
 from kvtier_bench.common import gbps, median_seconds
@@ -166,3 +168,34 @@ def raw_get(params_json: str) -> None:
         finally:
             store.close()
     print(gbps(objects * spec.block_bytes, seconds))
+
+
+def best_limit(timings: dict) -> tuple[str, Any, dict]:
+    """Of ``timings``, the fastest plain copy (``limit:*``): its kind and timing, and the rest."""
+    limits = {name: t for name, t in timings.items() if name.startswith("limit:")}
+    best = min(limits, key=lambda name: limits[name].median)
+    others = {name: t for name, t in timings.items() if name not in limits}
+    return best.split(":", 1)[1], limits[best], others
+
+
+def device_like_pieces(region, spec, n: int) -> list[list[memoryview]]:
+    """Per block, views of its pieces laid out in ``region`` (a contiguous uint8 tensor of
+    ``n`` blocks) as a CPU device cache lays them (one tensor per layer and part, block after
+    block): what a direct route's load scatters into."""
+    flat = memoryview(region.numpy()).cast("B")
+    starts, offset = [], 0
+    for piece in spec.pieces:
+        starts.append((offset, piece.size_bytes))
+        offset += n * piece.size_bytes
+    return [[flat[o + b * size : o + (b + 1) * size] for o, size in starts] for b in range(n)]
+
+
+def drop_page_cache(store, keys) -> None:
+    """The store's objects out of the page cache (cold reads; only clean pages go: after
+    ``os.sync()``), every file first, as the raw row does."""
+    for key in keys:
+        fd = os.open(store._path(key), os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -13,6 +13,12 @@
  * copy_blocks_hashed and copy_blocks_verified take pointer lists (dst_ptrs, src_ptrs, sizes)
  * and hash each block's source pieces as they copy them.
  *
+ * copy_scattered(contiguous, pieces, to_pieces, hashes_out, num_threads) copies each object i
+ * between one contiguous buffer and its list of piece buffers (a stored object's payload and the
+ * device block pieces it spreads over), in order, and hashes each object's source as it goes:
+ * hashes_out[i] is the XXH3-64 of the payload either way. Buffers are taken through the buffer
+ * protocol (memoryviews, numpy arrays, bytearrays), so their sizes are checked here.
+ *
  * The caller guarantees every range is valid and that no two destination ranges overlap; the
  * Python side (kvtier.copier) validates block ids before computing any pointer.
  */
@@ -408,6 +414,171 @@ static PyObject *copy_blocks_verified(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* A piece is copied and hashed this many bytes at a time: hashed right after its copy, the
+ * source is still in cache (a whole 1 MiB piece is not). */
+#define HASH_CHUNK (32 << 10)
+
+/* Objects [begin, end) of a scattered copy: object o is pieces first[o] .. first[o + 1] - 1,
+ * each hashed (its source, still in cache) right after it is copied. */
+typedef struct {
+    const int64_t *dst;
+    const int64_t *src;
+    const int64_t *size;
+    const Py_ssize_t *first;
+    uint64_t *hashes; /* NULL: no hashes wanted */
+    Py_ssize_t begin;
+    Py_ssize_t end;
+} ObjectSpan;
+
+static void *copy_objects_span(void *arg) {
+    const ObjectSpan *s = (const ObjectSpan *)arg;
+    XXH3_state_t state;
+    for (Py_ssize_t o = s->begin; o < s->end; o++) {
+        if (s->hashes != NULL) XXH3_64bits_reset(&state);
+        for (Py_ssize_t i = s->first[o]; i < s->first[o + 1]; i++) {
+            const char *src = (const char *)(intptr_t)s->src[i];
+            char *dst = (char *)(intptr_t)s->dst[i];
+            size_t size = (size_t)s->size[i];
+            if (s->hashes == NULL) {
+                copy_piece(dst, src, size);
+                continue;
+            }
+            for (size_t off = 0; off < size; off += HASH_CHUNK) { /* hashed while in L1/L2 */
+                size_t n = size - off < HASH_CHUNK ? size - off : HASH_CHUNK;
+                copy_piece(dst + off, src + off, n);
+                XXH3_64bits_update(&state, src + off, n);
+            }
+        }
+        if (s->hashes != NULL) s->hashes[o] = XXH3_64bits_digest(&state);
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    return NULL;
+}
+
+/* The buffers of one scattered copy, held until the copy is done. */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t held;
+    int64_t *table; /* dst, src, size: 3 * pieces */
+    Py_ssize_t *first;
+} Scatter;
+
+static void scatter_free(Scatter *sc) {
+    for (Py_ssize_t k = 0; k < sc->held; k++) PyBuffer_Release(&sc->views[k]);
+    PyMem_Free(sc->views);
+    PyMem_Free(sc->table);
+    PyMem_Free(sc->first);
+}
+
+/* Take every buffer and lay out the piece table; -1 with an exception set on failure. */
+static int scatter_take(Scatter *sc, PyObject *whole, PyObject *parts, int to_pieces,
+                        Py_ssize_t *pieces_out, int64_t *total_out) {
+    Py_ssize_t n = PyList_GET_SIZE(whole), pieces = 0;
+    for (Py_ssize_t o = 0; o < n; o++) {
+        PyObject *row = PyList_GET_ITEM(parts, o);
+        if (!PyList_Check(row) && !PyTuple_Check(row)) {
+            PyErr_Format(PyExc_TypeError, "pieces[%zd] must be a list of buffers", o);
+            return -1;
+        }
+        pieces += PySequence_Fast_GET_SIZE(row);
+    }
+    sc->views = PyMem_Calloc((size_t)(n + pieces + 1), sizeof(Py_buffer));
+    sc->table = PyMem_Malloc((size_t)(pieces + 1) * 3 * sizeof(int64_t));
+    sc->first = PyMem_Malloc((size_t)(n + 1) * sizeof(Py_ssize_t));
+    if (sc->views == NULL || sc->table == NULL || sc->first == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int whole_flags = to_pieces ? PyBUF_SIMPLE : PyBUF_WRITABLE;
+    int piece_flags = to_pieces ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+    int64_t *dst = sc->table, *src = sc->table + pieces, *size = sc->table + 2 * pieces;
+    Py_ssize_t i = 0;
+    int64_t total = 0;
+    for (Py_ssize_t o = 0; o < n; o++) {
+        Py_buffer *object = &sc->views[sc->held];
+        if (PyObject_GetBuffer(PyList_GET_ITEM(whole, o), object, whole_flags) < 0) return -1;
+        sc->held++;
+        PyObject *row = PyList_GET_ITEM(parts, o);
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(row), offset = 0;
+        sc->first[o] = i;
+        for (Py_ssize_t k = 0; k < count; k++, i++) {
+            Py_buffer *piece = &sc->views[sc->held];
+            PyObject *item = PySequence_Fast_GET_ITEM(row, k);
+            if (PyObject_GetBuffer(item, piece, piece_flags) < 0) return -1;
+            sc->held++;
+            if (offset + piece->len > object->len) break;
+            char *at = (char *)object->buf + offset;
+            dst[i] = (int64_t)(intptr_t)(to_pieces ? (char *)piece->buf : at);
+            src[i] = (int64_t)(intptr_t)(to_pieces ? at : (char *)piece->buf);
+            size[i] = piece->len;
+            offset += piece->len;
+        }
+        if (offset != object->len || i != sc->first[o] + count) {
+            PyErr_Format(PyExc_ValueError, "object %zd: its pieces do not add up to its %zd bytes",
+                         o, object->len);
+            return -1;
+        }
+        total += offset;
+    }
+    sc->first[n] = i;
+    *pieces_out = pieces;
+    *total_out = total;
+    return 0;
+}
+
+static PyObject *copy_scattered(PyObject *self, PyObject *args) {
+    PyObject *whole, *parts, *hash_obj;
+    int to_pieces, num_threads;
+    if (!PyArg_ParseTuple(args, "O!O!pOi", &PyList_Type, &whole, &PyList_Type, &parts,
+                          &to_pieces, &hash_obj, &num_threads)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(whole);
+    if (PyList_GET_SIZE(parts) != n) {
+        PyErr_SetString(PyExc_ValueError, "one list of pieces per contiguous buffer");
+        return NULL;
+    }
+    Py_buffer hashes = {0};
+    if (hash_obj != Py_None) {
+        if (PyObject_GetBuffer(hash_obj, &hashes, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+            return NULL;
+        }
+        if (hashes.len != n * 8) {
+            PyBuffer_Release(&hashes);
+            PyErr_SetString(PyExc_ValueError, "hashes_out must hold one uint64 per object");
+            return NULL;
+        }
+    }
+    Scatter sc = {0};
+    Py_ssize_t pieces = 0;
+    int64_t total = 0;
+    PyObject *result = NULL;
+    if (scatter_take(&sc, whole, parts, to_pieces, &pieces, &total) == 0) {
+        if (num_threads < 1) num_threads = 1;
+        if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+        if (num_threads > n) num_threads = (int)(n > 0 ? n : 1);
+        ObjectSpan spans[MAX_THREADS];
+        for (int t = 0; t < num_threads; t++) {
+            spans[t] = (ObjectSpan){sc.table, sc.table + pieces, sc.table + 2 * pieces, sc.first,
+                                    hash_obj != Py_None ? (uint64_t *)hashes.buf : NULL,
+                                    n * t / num_threads, n * (t + 1) / num_threads};
+        }
+        if (num_threads == 1 && total < (1 << 20)) {
+            run_spans(copy_objects_span, spans, sizeof(ObjectSpan), 1); /* keep the GIL */
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            run_spans(copy_objects_span, spans, sizeof(ObjectSpan), num_threads);
+            Py_END_ALLOW_THREADS
+        }
+        result = PyLong_FromLongLong(total);
+    }
+    scatter_free(&sc);
+    if (hash_obj != Py_None) PyBuffer_Release(&hashes);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_blocks_hashed", copy_blocks_hashed, METH_VARARGS,
      "copy_blocks_hashed(dst_ptrs, src_ptrs, sizes, pieces_per_block, hashes_out, num_threads)"
@@ -418,6 +589,10 @@ static PyMethodDef methods[] = {
     {"copy_indexed", copy_indexed, METH_VARARGS,
      "copy_indexed(dst_base, dst_stride, dst_ids, src_base, src_stride, src_ids, sizes, threads)"
      " -> total bytes; piece p of block b: base[p] + ids[b] * stride[p], sizes[p] bytes"},
+    {"copy_scattered", copy_scattered, METH_VARARGS,
+     "copy_scattered(contiguous, pieces, to_pieces, hashes_out, num_threads) -> total bytes;"
+     " object i: contiguous[i] <-> the buffers of pieces[i] in order; hashes_out[i] (or None) ="
+     " XXH3-64 of object i's bytes"},
     {NULL, NULL, 0, NULL},
 };
 

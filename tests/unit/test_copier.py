@@ -15,6 +15,7 @@ from conftest import SPECS, block_bytes_of, fill_random
 from kvtier.errors import DeviceCacheDetached, InvalidBlockIds, LayoutMismatch
 from kvtier.layout.checksum import payload_checksum
 from kvtier.layout.spec import KVCacheSpec
+from kvtier.memory import scatter
 from kvtier.memory.copier import CpuBlockCopier, TorchBlockCopier, make_copier
 from kvtier.memory.device import DeviceCache, cache_name
 from kvtier.memory.host import HostPool
@@ -172,6 +173,67 @@ def test_large_batch_uses_threads_and_stays_correct(name: str) -> None:
         assert 64 * spec.block_bytes > (4 << 20)  # above the threshold for a second thread
         rng = np.random.default_rng(0)
         _round_trip(cache, copier, list(rng.permutation(64)), list(rng.permutation(64)))
+
+
+def test_device_pieces_are_each_blocks_pieces_in_page_first_order(spec, name: str) -> None:
+    """The views a direct route reads into and writes from: joined in order, one block's
+    bytes exactly as a swap-out lays them in a host block; writes land in that block only."""
+    with DeviceCache.create(spec, name) as cache, HostPool(spec, 4) as pool:
+        fill_random(cache, seed=6)
+        copier = make_copier(cache, pool)
+        copier.swap_out([2, 7, 5], [0, 1, 2])
+        pieces = copier.device_pieces([2, 7, 5], writable=False)
+        for i, views in enumerate(pieces):
+            assert b"".join(bytes(v) for v in views) == bytes(pool.block(i).numpy())
+        before = block_bytes_of(cache, 6)
+        for view in copier.device_pieces([7])[0]:
+            view[:] = b"\xab" * len(view)
+        assert all(bool((t == 0xAB).all()) for t in block_bytes_of(cache, 7))
+        assert all(torch.equal(a, b) for a, b in zip(before, block_bytes_of(cache, 6)))
+        with pytest.raises(InvalidBlockIds):
+            copier.device_pieces([spec.num_blocks])
+
+
+@pytest.fixture(params=["native", "python"])
+def scatter_impl(request, monkeypatch):
+    """``copy_scattered`` as built, and its pure-Python fallback (no C compiler)."""
+    if request.param == "python":
+        monkeypatch.setattr(scatter, "_copy", None)
+    elif scatter._copy is None:
+        pytest.skip("kvtier._copy is not built")
+    return scatter.copy_scattered
+
+
+@pytest.mark.parametrize("objects", [1, 3, 80])  # 80 x 64 KiB: past the threshold for threads
+def test_copy_scattered_round_trips_and_hashes_each_object(scatter_impl, objects) -> None:
+    rng = np.random.default_rng(objects)
+    sizes = [4096, 100, 28, 61308]  # uneven pieces of one 64 KiB object
+    src = [rng.integers(0, 256, sum(sizes), dtype=np.uint8) for _ in range(objects)]
+    pieces = [[bytearray(n) for n in sizes] for _ in range(objects)]
+    hashes = np.zeros(objects, dtype=np.uint64)
+    moved = scatter_impl(src, pieces, to_pieces=True, hashes=hashes)
+    assert moved == objects * sum(sizes)
+    for whole, row, h in zip(src, pieces, hashes):
+        assert b"".join(row) == whole.tobytes()
+        assert int(h) == payload_checksum(whole)
+    back = [np.zeros(sum(sizes), dtype=np.uint8) for _ in range(objects)]
+    again = np.zeros(objects, dtype=np.uint64)
+    scatter_impl(back, pieces, to_pieces=False, hashes=again)
+    assert all(np.array_equal(a, b) for a, b in zip(src, back)) and (again == hashes).all()
+    scatter_impl(back[:1], pieces[:1], to_pieces=False)  # hashes are optional
+
+
+def test_copy_scattered_refuses_pieces_that_do_not_fit(scatter_impl) -> None:
+    whole = [bytearray(64)]
+    with pytest.raises(ValueError, match="do not add up"):
+        scatter_impl(whole, [[bytearray(32)]], to_pieces=True)
+    with pytest.raises(ValueError, match="do not add up"):
+        scatter_impl(whole, [[bytearray(32), bytearray(40)]], to_pieces=True)
+    with pytest.raises(ValueError, match="one list of pieces"):
+        scatter_impl(whole, [], to_pieces=True)
+    with pytest.raises((TypeError, BufferError)):  # a destination that cannot be written
+        scatter_impl(whole, [[bytes(64)]], to_pieces=True)
+    assert whole == [bytearray(64)]
 
 
 def test_other_process_attaches_and_swaps(name: str) -> None:

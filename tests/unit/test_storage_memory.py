@@ -140,3 +140,33 @@ def test_a_memory_stores_own_objects_load_without_the_mac_planted_ones_with_it(b
             assert check_mac.call_count == 1 and bytes(pool.block(7).numpy()) == want[1]
             store.write_object(keys[2], forged)
             assert store.get_into(keys[2:3], [pool.block(7)]) == [False]
+
+
+def test_a_slab_flip_fails_the_batch_at_that_object_and_the_rest_stays_out() -> None:
+    """The memory tier's loads copy a batch in one pass and check each object after (its own
+    headers parsed once, at the put): a payload byte flipped in the slab is a miss there, the
+    object is removed, and a scattered read returns the prefix before it with every later
+    target zeroed; a plain read answers the others."""
+    store = ArenaStore(CONTRACT_SPEC, 8 * OBJECT_BYTES)
+    keys = make_keys(4)
+    size = CONTRACT_SPEC.block_bytes
+    with HostPool(CONTRACT_SPEC, 8) as pool, store:
+        for i, key in enumerate(keys):
+            pool.block(i).copy_(expected_block(key, size))
+        assert store.put_from(keys, [pool.block(i) for i in range(4)]) == [True] * 4
+        want = [bytes(pool.block(i).numpy()) for i in range(4)]
+        store._payloads[store._slots[keys[2]]][size // 2] ^= 0x01  # a bit flips in memory
+        targets = [
+            [memoryview(bytearray(size // 2)), memoryview(bytearray(size // 2))] for _ in keys
+        ]
+        assert store.get_into_scattered(keys, targets) == [True, True, False, False]
+        assert [b"".join(t) for t in targets[:2]] == want[:2]
+        assert all(b"".join(t) == bytes(size) for t in targets[2:])
+        assert store.stats.corrupt == 1 and store.exists_prefix(keys) == 2
+        blocks = [pool.block(4 + i) for i in range(4)]
+        assert store.get_into(keys, blocks) == [True, True, False, True]
+        assert bytes(blocks[3].numpy()) == want[3]
+        pool.block(2).copy_(expected_block(keys[2], size))  # saved again: a sound object
+        assert store.put_from(keys[2:3], [pool.block(2)]) == [True]
+        assert store.get_into(keys[2:3], blocks[2:3]) == [True]
+        assert bytes(blocks[2].numpy()) == want[2]

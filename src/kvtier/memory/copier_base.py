@@ -4,7 +4,6 @@ copiers themselves (native, torch, CUDA) are in ``kvtier.memory.copier``."""
 
 from __future__ import annotations
 
-import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -116,11 +115,11 @@ class BlockCopier(ABC):
         dev = as_block_ids(device_block_ids, "device_block_ids")
         if not checked:
             self.check_device_ids(dev, destination=writable)
-        base, stride, size = self.device_cache.piece_table()
-        addresses = base[None, :] + dev[:, None] * stride[None, :]
-        sizes = size.tolist()
+        _, stride, size = self.device_cache.piece_table()
+        spans, sizes = self.device_cache.piece_spans(), size.tolist()
         return [
-            [_memoryview_at(int(a), n) for a, n in zip(row, sizes)] for row in addresses.tolist()
+            [span[o : o + n] for span, o, n in zip(spans, row, sizes)]
+            for row in (dev[:, None] * stride[None, :]).tolist()
         ]
 
     def check_device_ids(self, dev: np.ndarray, *, destination: bool) -> None:
@@ -164,7 +163,3 @@ class BlockCopier(ABC):
         limit = self.host_pool.num_blocks if host_limit is None else host_limit
         check_block_ids(host, limit, "host block id", destination=dst_is_host)
         return dev, host
-
-
-def _memoryview_at(address: int, size: int) -> memoryview:
-    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")

@@ -21,6 +21,7 @@ links and checked on the descriptor (regular, ours, 0600), mapped from that desc
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Sequence
@@ -92,6 +93,7 @@ class DeviceCache:
         self._published_path: Path | None = None
         self.generation = 0  # bumped on every detach/attach so users can drop cached pointers
         self._piece_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._piece_spans: list[memoryview] | None = None
         self.device = tensors[0][0].device
 
     # ---- construction -----------------------------------------------------------------------
@@ -248,13 +250,27 @@ class DeviceCache:
             self._piece_table = (base, stride, size)
         return self._piece_table
 
+    def piece_spans(self) -> list[memoryview]:
+        """Per (layer, part), as ``piece_table``: one flat byte view from its block 0 to the
+        end of its last block (CPU caches only), to slice each block's piece from."""
+        if self._piece_spans is None:
+            if self.device.type != "cpu":
+                raise DeviceCacheError("only a CPU cache's blocks are host memory")
+            base, stride, size = self.piece_table()
+            blocks = [t.shape[0] for row in self.tensors for t in row]
+            self._piece_spans = [
+                _bytes_at(int(b), (k - 1) * int(st) + int(n))
+                for b, st, n, k in zip(base, stride, size, blocks)
+            ]
+        return self._piece_spans
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def detach(self) -> None:
         """Drop this process's mapping (sleep). Views taken earlier keep their memory alive."""
         self._tensors = None
         self._segment = None
-        self._piece_table = None
+        self._piece_table = self._piece_spans = None
         self.generation += 1
 
     def reattach(self) -> None:
@@ -271,7 +287,7 @@ class DeviceCache:
         self._tensors, self._segment = attach_path(
             self.spec, self.name, path, check_owner=self._lock_fd is None
         )
-        self._piece_table = None
+        self._piece_table = self._piece_spans = None
         self.generation += 1
 
     def close(self) -> None:
@@ -293,3 +309,8 @@ class DeviceCache:
     def __repr__(self) -> str:
         state = "attached" if self.attached else "detached"
         return f"DeviceCache({self.name or '(wrapped)'}, {self.mode.value}, {self.device}, {state})"
+
+
+def _bytes_at(address: int, size: int) -> memoryview:
+    """A writable byte view of memory this process maps (it does not keep the mapping alive)."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
