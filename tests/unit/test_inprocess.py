@@ -20,6 +20,7 @@ from kvtier.errors import DeadlinePassed, InvalidBlockHash, InvalidBlockIds
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.device import DeviceCache, cache_name
 from kvtier.memory.host import HostLayout, HostPool
+from kvtier.storage import make_backend
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory import MemoryStore
 from kvtier.transport import tasks as t
@@ -259,6 +260,38 @@ def test_a_task_past_its_cutoff_leaves_its_device_blocks_alone_on_either_route(d
         with pytest.raises(DeadlinePassed, match="after its transfer from the store"):
             path.run(load, keys, time.monotonic() + 0.1)
     assert all(same(block(cache, 20 + i), before[i]) for i in range(4))
+
+
+def test_a_direct_load_from_a_stalled_disk_reads_no_object_past_the_cutoff(tmp_path) -> None:
+    """The direct route reads objects straight into device blocks. A disk that stalls on one
+    object's read past the task's cutoff: that read (already in the kernel) lands, and no
+    later object is read into its block: the engine may have given those blocks to another
+    request by then. (Before, the whole task's reads went on after the stall.)"""
+    layout = HostLayout(engine_blocks=8, staging_blocks=2)
+    name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
+    store = make_backend(WSPEC, {"backend": "file", "root": str(tmp_path / "store")})
+    with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
+        fill_random(cache, 1)
+        path = DataPath(cache, pool, layout, store)
+        assert path.route.name == "direct"
+        keys, h = KeyScheme("m", WSPEC.fingerprint, 0, "v1"), hashes(4, seed=13)
+        assert path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3]), keys).blocks
+        want, before = block(cache, 0), [block(cache, 20 + i) for i in range(4)]
+        read = store._files.read
+        stalls = [0.3]
+
+        def stalled_read(*args):  # the disk: the first read returns after 0.3 s
+            if stalls:
+                time.sleep(stalls.pop())
+            return read(*args)
+
+        store._files.read = stalled_read
+        load = t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23], timeout_ms=100)
+        with pytest.raises(DeadlinePassed, match="before reading object 1 into its targets"):
+            path.run(load, keys, time.monotonic() + 0.1)
+        assert same(block(cache, 20), want)  # the read in flight: its own verified bytes
+        assert all(same(block(cache, 21 + i), before[1 + i]) for i in range(3))
+        path.close()
 
 
 def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:

@@ -192,11 +192,13 @@ class ArenaStore(StorageBackend):
             self._unpin_all(found)
         return self._count_gets(results)
 
-    def get_into_scattered(self, keys, targets) -> list[bool]:
+    def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
         found = self._pin_parsed(keys, prefix=True)  # the prefix ends at the first miss
         good = 0
         try:
+            if go_on is not None and found:  # one copy of the batch: milliseconds at most
+                go_on("before copying objects from memory into their targets")
             hashes = np.zeros(len(found), np.uint64)
             self._copy_out(found, targets[: len(found)], hashes)
             for j, (i, slot, fields) in enumerate(found):

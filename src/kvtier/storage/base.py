@@ -32,7 +32,10 @@ Contract (implementations do not repeat it):
   failed a check — then the target is zeroed, so bytes that failed never stay there. Reads stop
   at the first False (the caller uses the leading run only): later keys are False and their
   targets untouched, except one a parallel I/O thread had already begun (which then holds
-  verified bytes of its own key, or zeros).
+  verified bytes of its own key, or zeros). ``go_on`` (optional) is called with where the read
+  stands before any object's bytes are written into its targets; it raises (the worker's
+  ``DeadlinePassed``: the engine may have reused those blocks) to stop the read, and the
+  exception propagates — later objects are not read (but for one a parallel thread had begun).
   ``put_from_scattered(keys, sources)`` is the same for saves: each object's payload is read
   from ``sources[i]`` in order (hashed here), with ``put_from``'s results.
 - ``delete(keys)`` -> number of objects removed; missing keys are ignored.
@@ -75,6 +78,10 @@ import torch
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
+
+# Called with where a read stands before it writes an object into its targets; raises to stop it
+# (``get_into_scattered``'s ``go_on``: the worker's deadline check).
+GoOn = Callable[[str], None]
 
 # Bad keys kept for a load to ask about (it asks at once: a few suffice; bounded all the same).
 REMEMBERED_CORRUPT_KEYS = 1024
@@ -197,7 +204,10 @@ class StorageBackend(ABC):
         is kept as it is). A failed or interrupted put is never visible to readers."""
 
     def get_into_scattered(
-        self, keys: Sequence[str], targets: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Sequence[memoryview]],
+        go_on: GoOn | None = None,
     ) -> list[bool]:
         """See the module docstring; only where ``supports_scattered_reads``."""
         raise NotImplementedError(f"the {self.kind} backend reads into host blocks only")
@@ -212,8 +222,8 @@ class StorageBackend(ABC):
         if len(keys) != len(targets):
             raise StorageError(f"{len(keys)} keys but {len(targets)} targets")
         for i, views in enumerate(targets):
-            if sum(len(v) for v in views) != self.payload_bytes:
-                raise StorageError(f"target {i} holds {sum(len(v) for v in views)} bytes")
+            if sum(map(len, views)) != self.payload_bytes:  # map: no Python frame per view
+                raise StorageError(f"target {i} holds {sum(map(len, views))} bytes")
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> int:

@@ -74,10 +74,10 @@ class FaultInjectingStore(StorageBackend):
     def supports_scattered_reads(self) -> bool:
         return self.inner.supports_scattered_reads
 
-    def get_into_scattered(self, keys, targets) -> list[bool]:
+    def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
-        self._enter("get_into")
-        return self._drop_some(self.inner.get_into_scattered(keys, targets))
+        self._enter("get_into")  # a stall here is seen by the inner store's go_on
+        return self._drop_some(self.inner.get_into_scattered(keys, targets, go_on))
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)

@@ -120,9 +120,10 @@ class FileStore(StorageBackend):
         fn = functools.partial(self._get_one, checksums_out=checksums_out)
         return self._count_gets(self._striped(fn, keys, host_blocks))
 
-    def get_into_scattered(self, keys, targets) -> list[bool]:
+    def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
-        return self._count_gets(self._striped(self._get_one, keys, targets, prefix=True))
+        fn = functools.partial(self._get_one, go_on=go_on)
+        return self._count_gets(self._striped(fn, keys, targets, prefix=True))
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)
@@ -190,9 +191,12 @@ class FileStore(StorageBackend):
             return False
         return True
 
-    def _get_one(self, index: int, key: str, target, checksums_out=None) -> bool:
+    def _get_one(self, index: int, key: str, target, checksums_out=None, go_on=None) -> bool:
         """Read one object into a host block (a tensor) or a list of buffers (scattered),
-        hashed as it is read unless the caller verifies it while it copies (checksums_out)."""
+        hashed as it is read unless the caller verifies it while it copies (checksums_out);
+        ``go_on``: as for ``get_into_scattered``, called before the read."""
+        if go_on is not None:
+            go_on(f"before reading object {index} into its targets")
         fan, name = object_name(key)
         header = bytearray(HEADER_BYTES)
         encoded = key.encode()

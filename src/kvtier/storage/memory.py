@@ -98,15 +98,17 @@ class MemoryStore(StorageBackend):
             results.append(True)
         return self._count_gets(results)
 
-    def get_into_scattered(self, keys, targets) -> list[bool]:
+    def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
-        results = []
+        results: list[bool] = []
         for key, views in zip(keys, targets):
             with self._lock:
                 data = self._objects.get(key)
                 authored = key in self._authored
             if data is None or not self._header_ok(key):
                 break  # the prefix ends here: later keys are not read
+            if go_on is not None:
+                go_on(f"before copying object {len(results)} into its targets")
             offset = HEADER_BYTES
             for view in views:
                 view[:] = data[offset : offset + len(view)]

@@ -191,17 +191,14 @@ class TieredStore(StorageBackend):
             self._promote("put_from", [keys[i] for i in promote], blocks, known)
         return self._count(self._answered(results))
 
-    def get_into_scattered(self, keys, targets) -> list[bool]:
+    def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
         start, live = 0, self._live()
         while start < len(keys):
             for level, tier in live:
+                args = (keys[start:], targets[start:], go_on)
                 got = self._ask(
-                    level,
-                    tier.get_into_scattered,
-                    keys[start:],
-                    targets[start:],
-                    default=[False] * (len(keys) - start),
+                    level, tier.get_into_scattered, *args, default=[False] * len(args[0])
                 )
                 run = got.index(False) if False in got else len(got)
                 if run:

@@ -104,6 +104,27 @@ class DataContract(ContractBase):
         assert store.get_into_scattered(keys, got) == [True, False, False, False]
         assert all(bytes(views[0]) == b"\xee" * CONTRACT_SPEC.block_bytes for views in got[1:])
 
+    def test_a_scattered_read_writes_nothing_once_go_on_stops_it(self, store, pool) -> None:
+        """``go_on`` is asked before any object lands in its targets (the worker's deadline:
+        the engine may have reused those blocks); when it raises, no target is written and the
+        exception reaches the caller; the objects stay stored."""
+        if not store.supports_scattered_reads:
+            pytest.skip(f"{store.kind} reads into host blocks only")
+        keys = make_keys(3)
+        self.put(store, pool, keys)
+        got = [[memoryview(bytearray(b"\xee" * CONTRACT_SPEC.block_bytes))] for _ in keys]
+        asked: list[str] = []
+
+        def stop(where: str) -> None:
+            asked.append(where)
+            raise TimeoutError(where)
+
+        with pytest.raises(TimeoutError):
+            store.get_into_scattered(keys, got, stop)
+        assert asked and all(bytes(v[0]) == b"\xee" * CONTRACT_SPEC.block_bytes for v in got)
+        assert store.get_into_scattered(keys, got, asked.append) == [True] * 3
+        assert store.exists_prefix(keys) == 3
+
     def test_scattered_writes_store_the_pieces_in_order(self, store, pool) -> None:
         if not store.supports_scattered_reads:
             pytest.skip(f"{store.kind} writes from host blocks only")

@@ -18,17 +18,15 @@ Both return the leading run of blocks that are stored (saves) or verified in pla
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
 from kvtier.memory.copier import BlockCopier
 from kvtier.memory.host import HostPool
-from kvtier.storage.base import StorageBackend
+from kvtier.storage.base import GoOn, StorageBackend
 
-# Called with where a task stands before device blocks are touched; raises DeadlinePassed once
-# its client may have given up (``kvtier.worker.deadline``).
-GoOn = Callable[[str], None]
+# ``GoOn``: called with where a task stands before device blocks are touched; raises
+# DeadlinePassed once its client may have given up (``kvtier.worker.deadline``).
 
 
 class StagedRoute:
@@ -107,7 +105,7 @@ class DirectRoute:
         reads each one (a block that fails is zeroed there, counted corrupt and removed)."""
         go_on("before reading into its device blocks")
         pieces = self.copier.device_pieces(dev, checked=True)
-        got = self.storage.get_into_scattered(storage_keys, pieces)
+        got = self.storage.get_into_scattered(storage_keys, pieces, go_on)  # and per object
         fetched = leading_true(got)
         return fetched, np.ones(fetched, dtype=bool)
 
