@@ -66,6 +66,7 @@ COLUMNS = [
     ("gbps_range", "min-max", "s"),
     ("raw_gbps", "raw GB/s", ".2f"),
     ("ratio_to_raw", "x raw", ".2f"),
+    ("raw_kind", "raw (memory)", "s"),
 ]
 
 # 1 MiB: 16 layers x K,V x 8 heads x 16 tokens x 128 x bf16. 8 MiB: 32 layers, 64 tokens.

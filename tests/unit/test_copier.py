@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -234,6 +238,44 @@ def test_copy_scattered_refuses_pieces_that_do_not_fit(scatter_impl) -> None:
     with pytest.raises((TypeError, BufferError)):  # a destination that cannot be written
         scatter_impl(whole, [[bytes(64)]], to_pieces=True)
     assert whole == [bytearray(64)]
+
+
+# Every hashing kernel on the same random bytes, in a fresh process (the kernels are chosen
+# when kvtier._copy is imported): XXH3-64 of each block, as the xxhash library computes it.
+KERNELS_CHECK = """
+import json, numpy as np, xxhash
+from kvtier import _copy
+rng = np.random.default_rng(7)
+sizes = [100, 4096, 70000, 5]  # one block of uneven pieces, a piece larger than a hash chunk
+src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+want = xxhash.xxh3_64_intdigest(b"".join(a.tobytes() for a in src))
+dst = [np.zeros(n, dtype=np.uint8) for n in sizes]
+ptr = lambda arrays: np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+h = np.zeros(1, dtype=np.uint64)
+_copy.copy_blocks_hashed(ptr(dst), ptr(src), np.array(sizes, np.int64), 4, h, 1)
+ok = np.ones(1, dtype=np.uint8)
+out = [np.zeros(n, dtype=np.uint8) for n in sizes]
+_copy.copy_blocks_verified(ptr(out), ptr(src), np.array(sizes, np.int64), 4, h, ok, 1)
+whole = np.concatenate(src)
+s = np.zeros(1, dtype=np.uint64)
+_copy.copy_scattered([whole], [[bytearray(n) for n in sizes]], True, s, 1)
+same = all(np.array_equal(a, b) for a, b in zip(src, out))
+print(json.dumps([_copy.kernels, want, int(h[0]), int(ok[0]), same, int(s[0])]))
+"""
+
+
+@pytest.mark.skipif(scatter._copy is None, reason="kvtier._copy is not built")
+@pytest.mark.parametrize("baseline", ["", "1"], ids=["as-chosen", "baseline"])
+def test_each_set_of_hashing_kernels_computes_xxh3(baseline) -> None:
+    """The hashing kernels are built twice (baseline and AVX2) and picked at import from the
+    CPU: whichever runs must give the XXH3-64 the rest of kvtier (and every reader) computes."""
+    env = {**os.environ, "KVTIER_COPY_BASELINE": baseline}
+    out = subprocess.run(
+        [sys.executable, "-c", KERNELS_CHECK], env=env, capture_output=True, text=True, check=True
+    )
+    kernels, want, hashed, verified, same, scattered = json.loads(out.stdout)
+    assert kernels == "base" if baseline else kernels in ("base", "avx2")
+    assert hashed == want and scattered == want and verified == 1 and same
 
 
 def test_other_process_attaches_and_swaps(name: str) -> None:
