@@ -6,6 +6,7 @@ Fast (no process start): the process tests stay for what only processes show.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory import MemoryStore
 from kvtier.transport import tasks as t
 from kvtier.transport.local import LocalClient
+from kvtier.worker import deadline
 from kvtier.worker.config import WorkerConfig
 from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.datapath import DataPath
@@ -292,6 +294,26 @@ def test_a_direct_load_from_a_stalled_disk_reads_no_object_past_the_cutoff(tmp_p
         assert same(block(cache, 20), want)  # the read in flight: its own verified bytes
         assert all(same(block(cache, 21 + i), before[1 + i]) for i in range(3))
         path.close()
+
+
+def test_tasks_cancelled_past_their_cutoff_in_a_burst_log_one_line_not_one_each(caplog) -> None:
+    """After a long stall thousands of queued tasks pass their cutoff at once: the first is
+    logged, the rest of the burst only counted, and the next line says how many went unlogged."""
+    cancel_log = deadline.CancelLog(rank=3, interval_s=0.2)
+    error = DeadlinePassed("cancelled before it started: ...")
+    with caplog.at_level(logging.WARNING, logger="kvtier.worker.deadline"):
+        for task_id in range(1, 1001):
+            cancel_log(task_id, error)
+        assert [r.getMessage() for r in caplog.records] == [
+            "rank 3: task 1 cancelled before it started: ..."
+        ]
+        time.sleep(0.25)
+        cancel_log(1001, error)
+    assert caplog.records[-1].getMessage() == (
+        "rank 3: task 1001 cancelled before it started: ... "
+        "(999 more since the last such line, not logged)"
+    )
+    assert len(caplog.records) == 2
 
 
 def test_datapath_refuses_bad_input_before_moving_anything(datapath) -> None:

@@ -18,19 +18,29 @@ or engine host blocks. The cutoff is checked:
 - in the staged route, between a chunk's transfer from the store and its copy into device
   blocks (a store that stalls — a Mooncake node behind a failing link), and before each chunk
   of a save is copied out of them;
-- in the direct route (a CPU cache with a local file or memory store), before the backend reads
-  into or writes from the device blocks. A read that stalls inside that backend is not cut.
+- in the direct route (a CPU cache with a local file or memory store), before the backend writes
+  from the device blocks, and before each object a scattered read writes into them
+  (``get_into_scattered``'s ``go_on``): a disk that stalls on one object lets that read land
+  (it is in the kernel already) and no later one.
+
+After a long stall thousands of queued tasks may pass their cutoff at once: ``CancelLog`` logs
+one WARNING per ``LOG_INTERVAL_S`` and counts the rest (every one is in the task counters).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from typing import Any
 
 from kvtier.errors import DeadlinePassed
 
+log = logging.getLogger(__name__)
+
 GUARD_FRACTION = 0.1
+LOG_INTERVAL_S = 10.0  # at most one WARNING this often for tasks cancelled past their cutoff
 NO_CUTOFF = math.inf  # a task sent without a timeout (a client older than ``timeout_ms``)
 
 
@@ -50,3 +60,24 @@ def check(until: float, task: Any, what: str) -> None:
             "task_timeout_s) has passed or nearly so, and the engine may reuse its blocks; "
             "they were left alone"
         )
+
+
+class CancelLog:
+    """Logs a task answered ``cancelled`` past its cutoff: the first at once, then at most one
+    line per ``interval_s``, each saying how many it did not log (thread-safe)."""
+
+    def __init__(self, rank: int, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.rank, self.interval_s = rank, interval_s
+        self._last = -math.inf
+        self._unlogged = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, task_id: int, error: DeadlinePassed) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval_s:
+                self._unlogged += 1
+                return
+            unlogged, self._unlogged, self._last = self._unlogged, 0, now
+        more = f" ({unlogged} more since the last such line, not logged)" if unlogged else ""
+        log.warning("rank %d: task %d %s%s", self.rank, task_id, error, more)

@@ -82,6 +82,7 @@ class TaskRunner:
         self._inline: list[Item] = []
         self.loop_ident = 0  # the loop thread, where small idle swaps run inline
         self.save_watch = SaveWatch()
+        self._cancel_log = deadline.CancelLog(rank)
 
     def submit(self, item: Item) -> None:
         """Run ``item`` (called under the gate's lock, by the loop thread or a resume)."""
@@ -230,7 +231,7 @@ class TaskRunner:
                 raise KvtierError("the data path is closed (sleeping)")
             return self.resources.datapath.run(task, keys, until)
         except DeadlinePassed as e:
-            log.warning("rank %d: task %d %s", self.rank, task.task_id, e)
+            self._cancel_log(task.task_id, e)
             return Outcome(t.Status.CANCELLED, message=str(e))
         except KvtierError as e:
             self.counters.error(type(e).__name__, self._metrics())
