@@ -40,7 +40,8 @@ def copy_scattered(
     (``to_pieces``), or from them into ``contiguous[i]``; with ``hashes`` (uint64, one per
     object), ``hashes[i]`` is the XXH3-64 of object i's bytes. Each object's pieces must add up
     to its contiguous buffer (ValueError otherwise). Returns the bytes copied."""
-    whole, parts = list(contiguous), [list(row) for row in pieces]
+    whole = contiguous if isinstance(contiguous, list) else list(contiguous)
+    parts = [row if isinstance(row, (list, tuple)) else list(row) for row in pieces]
     if len(whole) != len(parts):
         raise ValueError("one list of pieces per contiguous buffer")
     if _copy is not None:
@@ -51,7 +52,10 @@ def copy_scattered(
 
 
 def _copy_in_python(
-    whole: list[Buffer], parts: list[list[Buffer]], to_pieces: bool, hashes: np.ndarray | None
+    whole: list[Buffer],
+    parts: Sequence[Sequence[Buffer]],
+    to_pieces: bool,
+    hashes: np.ndarray | None,
 ) -> int:
     total = 0
     for i, (buffer, row) in enumerate(zip(whole, parts)):

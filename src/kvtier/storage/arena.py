@@ -61,11 +61,10 @@ class ArenaStore(StorageBackend):
         self._free = list(range(slots - 1, -1, -1))
         self._pins: Counter[int] = Counter()
         self._sound: set[str] = set()  # objects whose header is known sound
-        # Slots whose object a put of this store wrote (not ``write_object``): in this process's
-        # private memory, so their reads skip the MAC (``ObjectFormat.check``'s ``mac``).
-        self._authored = np.zeros(slots, dtype=bool)
-        # Their header fields, as parsed once when the put wrote them (key, format, fields): a
-        # load of its own object parses no header (still matched to the key it is asked for).
+        # Per slot whose object a put of this store wrote (not ``write_object``; None for those):
+        # its header fields as parsed once at the put (key, format, fields). That object is in
+        # this process's private memory, so its loads parse no header (still matched to the key
+        # asked for) and skip the MAC (``ObjectFormat.check``'s ``mac``).
         self._fields: list[tuple[str, ObjectFormat, Header] | None] = [None] * slots
         self._lock = threading.Condition()
         self._spill: Callable[[list[tuple[str, bytes]]], None] | None = None
@@ -119,7 +118,7 @@ class ArenaStore(StorageBackend):
                 self._release(old)
             self._slots[key] = slot
             self._lengths[slot] = length
-            self._authored[slot] = sound  # sound here: a header this store built
+            # sound here: a header this store built
             self._fields[slot] = None if parsed is None else (key, self.format, parsed)
             (self._sound.add if sound else self._sound.discard)(key)
 
@@ -183,7 +182,7 @@ class ArenaStore(StorageBackend):
                         i,
                         payload_hash=None if hashes is None else int(hashes[j]),
                         fields=fields,
-                        mac=not self._authored[slot],
+                        mac=self._fields[slot] is None,
                     )
                     results[i] = True
                 except ObjectCorrupt as e:
@@ -210,7 +209,7 @@ class ArenaStore(StorageBackend):
                         self.payload_bytes,
                         payload_hash=int(hashes[j]),
                         fields=fields,
-                        mac=not self._authored[slot],
+                        mac=self._fields[slot] is None,
                     )
                 except ObjectCorrupt as e:
                     self._bad(keys[i], e)
