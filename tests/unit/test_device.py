@@ -234,3 +234,40 @@ def test_cuda_ipc_keeps_suballocation_offsets(name: str) -> None:
         assert sums == expected
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("when", ["before its lock", "after its lock"])
+def test_a_cleaner_racing_a_create_costs_a_retry_not_the_create(
+    tmp_path, when, monkeypatch
+) -> None:
+    """Another process's ``reclaim_orphans`` may find a creator's temporary file in the gap
+    between its creation and its lock, take the lock and remove it (seen beside the /dev/shm
+    churner: a worker failed to start with FileNotFoundError). The creator starts over."""
+    from kvtier.memory import shm
+
+    path = tmp_path / "kvtier-race-rank0-dev0.kvcache"
+    real_flock, raced = shm.fcntl.flock, []
+
+    def flock_after_a_cleaner(fd, operation):
+        if not raced and operation & shm.fcntl.LOCK_EX:
+            raced.append(True)
+            if when == "before its lock":  # the cleaner takes the temporary file and removes it
+                assert shm.reclaim_orphans(tmp_path)
+            else:  # the cleaner holds its lock at the moment the creator asks for it
+                temp = next(tmp_path.glob(".kvtier-*.creating"))
+                cleaner = os.open(temp, os.O_RDONLY)
+                real_flock(cleaner, shm.fcntl.LOCK_EX | shm.fcntl.LOCK_NB)
+                try:
+                    return real_flock(fd, operation)
+                finally:
+                    os.close(cleaner)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(shm.fcntl, "flock", flock_after_a_cleaner)
+    fd = shm.create_locked(path, "a test file")
+    monkeypatch.undo()
+    try:
+        assert raced and path.exists() and not list(tmp_path.glob(".kvtier-*.creating"))
+        assert shm.owner_alive(os.open(path, os.O_RDONLY))  # held by the creator
+    finally:
+        os.close(fd)

@@ -75,12 +75,17 @@ def create_locked(path: Path, what: str) -> int:
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{next(_counter)}{_CREATING_SUFFIX}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.link(tmp, path)
                 return fd
             except FileExistsError:
                 pass
+            except (BlockingIOError, FileNotFoundError):
+                # Another process's reclaim_orphans found the temporary file before its lock
+                # was taken, took that lock and removed it: a fresh temporary file, again.
+                os.close(fd)
+                continue
         except BaseException:
             os.close(fd)
             raise
