@@ -13,6 +13,7 @@ from kvtier.engine.client import Client
 from kvtier.layout.keys import block_hashes
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.storage.memory import MemoryStore
 
 WSPEC = KVCacheSpec(
     num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64, dtype="block_wise_fp8"
@@ -23,6 +24,14 @@ FAST = {"worker_timeout_s": 10.0, "task_timeout_s": 60.0, "heartbeat_interval_s"
 
 
 fill = fill_random
+
+
+class HostBlocksOnlyStore(MemoryStore):
+    """The memory store without scattered reads: a CPU data path then takes the staged route
+    (as it does for Mooncake), which the plain memory store never exercises; under a memory
+    tier, a chain like memory over Mooncake."""
+
+    supports_scattered_reads = False
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:

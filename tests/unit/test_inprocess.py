@@ -24,6 +24,7 @@ from kvtier.memory.host import HostLayout, HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory import MemoryStore
+from kvtier.storage.tiers import TieredStore
 from kvtier.transport import tasks as t
 from kvtier.transport.local import LocalClient
 from kvtier.worker import deadline
@@ -32,7 +33,7 @@ from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.datapath import DataPath
 from kvtier.worker.gate import Gate, Refusal, WorkerState
 from kvtier.worker.resources import RankResources
-from worker_helpers import WSPEC, block, local_worker, same
+from worker_helpers import WSPEC, HostBlocksOnlyStore, block, local_worker, same
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:
@@ -129,23 +130,60 @@ def test_one_ranks_answer_aggregates_as_two_identical_ranks_would() -> None:
 # ---- DataPath ---------------------------------------------------------------------------------
 
 
-class HostBlocksOnlyStore(MemoryStore):
-    """The memory store without scattered reads: a CPU data path then takes the staged route
-    (as it does for Mooncake), which the plain memory store never exercises."""
+def _store_for(route: str):
+    if route == "mixed":  # memory over a tier that reads into host blocks only (as Mooncake)
+        return TieredStore([MemoryStore(WSPEC), HostBlocksOnlyStore(WSPEC)])
+    return (MemoryStore if route == "direct" else HostBlocksOnlyStore)(WSPEC)
 
-    supports_scattered_reads = False
 
-
-@pytest.fixture(params=["direct", "staged"])
+@pytest.fixture(params=["direct", "staged", "mixed"])
 def datapath(request):
     layout = HostLayout(engine_blocks=8, staging_blocks=2)
     name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
     with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
         fill_random(cache, 1)
-        store = (MemoryStore if request.param == "direct" else HostBlocksOnlyStore)(WSPEC)
-        path = DataPath(cache, pool, layout, store)
-        assert path.route.name == request.param  # chosen once, when the path is built
+        path = DataPath(cache, pool, layout, _store_for(request.param))
+        # Chosen once, when the path is built: a mixed chain reads its top tier directly.
+        assert path.route.name == {"mixed": "direct"}.get(request.param, request.param)
+        assert (getattr(path.route, "rest", None) is not None) == (request.param == "mixed")
         yield path, cache, KeyScheme("m", WSPEC.fingerprint, 0, "v1")
+        path.close()
+
+
+def test_a_chain_loads_its_top_tiers_blocks_directly_and_the_rest_through_staging() -> None:
+    """Memory over a tier that reads into host blocks only (Mooncake's kind): the blocks the
+    memory tier holds go straight into the device blocks, the others through the 2-block
+    staging from the tier below (promoted on the way), in one load, every byte right. Before,
+    such a chain took the staged route for every block: two copies for a memory hit."""
+    layout = HostLayout(engine_blocks=8, staging_blocks=2)
+    name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
+    store = _store_for("mixed")
+    with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
+        fill_random(cache, 1)
+        path, h = DataPath(cache, pool, layout, store), hashes(6)
+        keys = KeyScheme("m", WSPEC.fingerprint, 0, "v1")
+        assert path.route.name == "direct"
+        want = [block(cache, b) for b in range(6)]
+        assert path.run(t.Save(block_hashes=h, device_block_ids=list(range(6))), keys).blocks
+        assert store.writer is not None and store.writer.flush(30) == 0  # written through
+        below = store.tiers[1]
+        assert below.exists_prefix(keys.keys(h)) == 6
+        store.tiers[0].delete(keys.keys(h[2:5]))  # only the tier below holds blocks 2-4
+        reads = []
+        get_into = below.get_into
+        below.get_into = lambda ks, *a: reads.append(len(ks)) or get_into(ks, *a)
+        dev = [20, 21, 22, 23, 24, 25]
+        loaded = path.run(t.Load(block_hashes=h, device_block_ids=dev), keys)
+        assert loaded.status is t.Status.OK and loaded.blocks == dev
+        assert all(same(block(cache, d), want[i]) for i, d in enumerate(dev))
+        assert reads == [2, 1]  # blocks 2-4 from below, a staging's worth at a time
+        assert store.tiers[0].exists_prefix(keys.keys(h)) == 6  # promoted
+        # Nothing below either: the load stops there and leaves the later device blocks alone.
+        store.delete(keys.keys(h[3:4]))
+        before = [block(cache, 10 + i) for i in range(6)]
+        hole = path.run(t.Load(block_hashes=h, device_block_ids=list(range(10, 16))), keys)
+        assert hole.status is t.Status.PARTIAL and hole.blocks == [10, 11, 12]
+        assert all(same(block(cache, 13 + i), before[3 + i]) for i in range(3))
         path.close()
 
 

@@ -10,8 +10,10 @@ import pytest
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend, parse_storage, tier_writer
+from kvtier.storage.memory import MemoryStore
 from kvtier.storage.tiers import TieredStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
+from worker_helpers import HostBlocksOnlyStore
 
 OBJECT_BYTES = CONTRACT_SPEC.block_bytes + 64
 
@@ -37,6 +39,15 @@ class TestMemoryOverFileThrough(StoreContract):
 
 class TestMemoryOverFileBack(TestMemoryOverFileThrough):
     write = "back"
+
+
+class TestMemoryOverHostBlocksOnly(StoreContract):
+    """Memory over a tier that reads into host blocks only (Mooncake's kind): the chain as a
+    whole does not read scattered, so the contract's scattered sections are skipped; the
+    top tier's scattered reads are tested below."""
+
+    def make_store(self, spec):
+        return TieredStore([MemoryStore(spec), HostBlocksOnlyStore(spec)])
 
 
 @pytest.fixture
@@ -240,3 +251,28 @@ def test_a_workers_stats_status_and_metrics_show_each_tier(tmp_path) -> None:
         )
     finally:
         worker.close()
+
+
+def test_a_chain_reads_scattered_from_its_top_tier_and_stops_where_only_below_holds(pool):
+    """Memory over a tier without scattered reads: ``get_into_scattered`` answers the blocks
+    the top tier holds and stops, target untouched, at one only the tier below holds (the
+    worker reads that one through host blocks); a scattered save with the top tier down has
+    nowhere to go and says so."""
+    chain = TieredStore([MemoryStore(CONTRACT_SPEC), HostBlocksOnlyStore(CONTRACT_SPEC)])
+    assert chain.reads_scattered_on_top and not chain.supports_scattered_reads
+    keys = make_keys(3)
+    assert _put(chain, pool, keys) == [True] * 3
+    assert chain.writer is not None and chain.writer.flush(30) == 0
+    chain.tiers[0].delete(keys[1:2])
+    nbytes = CONTRACT_SPEC.block_bytes
+    targets = [[bytearray(nbytes // 2), bytearray(nbytes // 2)] for _ in keys]
+    for t in targets[1]:
+        t[:] = b"\xee" * len(t)
+    assert chain.get_into_scattered(keys, targets) == [True, False, False]
+    assert bytes(targets[0][0] + targets[0][1]) == expected_block(keys[0], nbytes).numpy().tobytes()
+    assert all(set(t) == {0xEE} for t in targets[1])
+    assert _get(chain, pool, keys) == [True] * 3  # through host blocks: every tier
+    chain.health.down(0, StorageUnavailable("test: the top tier is down"))
+    with pytest.raises(StorageUnavailable, match="pieces is unavailable"):
+        chain.put_from_scattered(make_keys(1), [[bytearray(nbytes)]])
+    chain.close()

@@ -156,6 +156,14 @@ class StorageBackend(ABC):
         into (and written from) a CPU device block's pieces, one copy instead of two."""
 
     @property
+    def reads_scattered_on_top(self) -> bool:
+        """Whether ``get_into_scattered`` / ``put_from_scattered`` work for the objects this
+        store serves first: a tier chain whose top tier reads scattered over one that does not
+        (memory over Mooncake) answers a block held only below as not found, for the caller to
+        read through host blocks (``kvtier.worker.routes``). One backend: its own capability."""
+        return self.supports_scattered_reads
+
+    @property
     @abstractmethod
     def exposes_registered_memory(self) -> bool:
         """Whether registered memory is readable by the backend's peers (Mooncake's transfer

@@ -74,6 +74,10 @@ class FaultInjectingStore(StorageBackend):
     def supports_scattered_reads(self) -> bool:
         return self.inner.supports_scattered_reads
 
+    @property
+    def reads_scattered_on_top(self) -> bool:
+        return self.inner.reads_scattered_on_top
+
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
         self._enter("get_into")  # a stall here is seen by the inner store's go_on

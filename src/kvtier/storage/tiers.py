@@ -111,6 +111,10 @@ class TieredStore(StorageBackend):
         return all(t.supports_scattered_reads for t in self.tiers)
 
     @property
+    def reads_scattered_on_top(self) -> bool:
+        return self.tiers[0].supports_scattered_reads
+
+    @property
     def exposes_registered_memory(self) -> bool:
         return any(t.exposes_registered_memory for t in self.tiers)
 
@@ -192,8 +196,11 @@ class TieredStore(StorageBackend):
         return self._count(self._answered(results))
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
+        """Each block from the fastest tier that reads scattered and holds it; a block only the
+        others hold ends the run (``reads_scattered_on_top``)."""
         self._check_scattered(keys, targets)
-        start, live = 0, self._live()
+        start = 0
+        live = [(level, t) for level, t in self._live() if t.supports_scattered_reads]
         while start < len(keys):
             for level, tier in live:
                 args = (keys[start:], targets[start:], go_on)
@@ -223,8 +230,12 @@ class TieredStore(StorageBackend):
         return self._put(keys, "put_from_scattered", sources)
 
     def _put(self, keys, method: str, *args) -> list[bool]:
-        """Into the first live tier (the top one unless it is down); lower ones: the writer."""
+        """Into the first live tier (the top one unless it is down) that takes this kind of
+        put; lower ones: the writer."""
+        scattered = method == "put_from_scattered"
         for level, tier in self._live():
+            if scattered and not tier.supports_scattered_reads:
+                continue
             try:
                 ok = getattr(tier, method)(keys, *args)
             except StorageUnavailable as e:
@@ -233,7 +244,8 @@ class TieredStore(StorageBackend):
             if level == 0 and self.writer is not None:
                 self.writer.saved([k for k, stored in zip(keys, ok) if stored])
             return self._count(ok, "puts", "put_failures")
-        raise StorageUnavailable("every storage tier is unavailable")
+        which = " that writes from a device block's pieces" if scattered else ""
+        raise StorageUnavailable(f"every storage tier{which} is unavailable")
 
     def _promote(self, method: str, keys, *args) -> None:
         """Put what was loaded from below into the top tier (``method``: its put)."""
@@ -302,21 +314,7 @@ class TieredStore(StorageBackend):
 
     def tier_stats(self) -> list[dict[str, Any]]:
         """Per tier: its kind, its counters, and the chain's promotions and writes down."""
-        rows = []
-        for level, tier in enumerate(self.tiers):
-            rows.append(
-                {
-                    "tier": level,
-                    "backend": tier.kind,
-                    **tier.stats.as_dict(),
-                    "unavailable": self.health.unavailable[level],
-                }
-            )
-        rows[0]["promotions"] = self.promotions
-        if self.writer is not None:
-            rows[0]["pending_writes"] = self.writer.pending
-            rows[0].update(vars(self.writer.counts))
-        return rows
+        return _tier_rows(self)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -332,3 +330,21 @@ class TieredStore(StorageBackend):
             self.writer = None
         for tier in self.tiers:
             tier.close()
+
+
+def _tier_rows(chain: TieredStore) -> list[dict[str, Any]]:
+    rows = []
+    for level, tier in enumerate(chain.tiers):
+        rows.append(
+            {
+                "tier": level,
+                "backend": tier.kind,
+                **tier.stats.as_dict(),
+                "unavailable": chain.health.unavailable[level],
+            }
+        )
+    rows[0]["promotions"] = chain.promotions
+    if chain.writer is not None:
+        rows[0]["pending_writes"] = chain.writer.pending
+        rows[0].update(vars(chain.writer.counts))
+    return rows

@@ -91,18 +91,17 @@ class DataPath:
         self._save_lock = threading.Lock()  # the save staging range (save, staged save_host)
         self._load_lock = threading.Lock()  # the load staging range (load, staged load_host)
         self._staged_host_io = storage.exposes_registered_memory
-        direct = self.copier.direct_device_access and storage.supports_scattered_reads
-        self.route: StagedRoute | DirectRoute = (
-            DirectRoute(self.copier, storage)
-            if direct
-            else StagedRoute(
-                self.copier,
-                host_pool,
-                storage,
-                (self._save_staging, self._load_staging),
-                (self._save_lock, self._load_lock),
-            )
+        staged = StagedRoute(
+            self.copier,
+            host_pool,
+            storage,
+            (self._save_staging, self._load_staging),
+            (self._save_lock, self._load_lock),
         )
+        self.route: StagedRoute | DirectRoute = staged
+        if self.copier.direct_device_access and storage.reads_scattered_on_top:
+            rest = None if storage.supports_scattered_reads else staged
+            self.route = DirectRoute(self.copier, storage, rest)
         if self._staged_host_io:  # chosen once too: host tasks through staging, or not
             self._put_host, self._get_host = self._put_staged, self._get_staged
         else:

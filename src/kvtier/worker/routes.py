@@ -11,6 +11,12 @@
   written from and read straight into the device blocks' pieces (one copy instead of two) and
   verified there; a block that fails is zeroed. No existence pass before a load: scattered reads
   stop at the first object that is missing or fails (``StorageBackend.get_into_scattered``).
+  A tier chain whose top tier reads scattered over one that does not (memory over Mooncake:
+  ``reads_scattered_on_top``) takes this route too, with a ``StagedRoute`` for what is left: a
+  load reads the blocks the scattered tiers hold straight into the device, and the rest of it
+  through the staging (from Mooncake, promoted into memory on the way). Before, such a chain
+  took the staged route for everything: a memory hit was two copies, 1.2 ms more per 14 MiB
+  load in ``vllm serve``.
 
 Both return the leading run of blocks that are stored (saves) or verified in place (loads).
 """
@@ -87,8 +93,12 @@ class DirectRoute:
     name = "direct"
     load_step = 1 << 16  # no staging to fill: a whole task per call
 
-    def __init__(self, copier: BlockCopier, storage: StorageBackend) -> None:
-        self.copier, self.storage = copier, storage
+    def __init__(
+        self, copier: BlockCopier, storage: StorageBackend, rest: StagedRoute | None = None
+    ) -> None:
+        """``rest``: where a load goes on when the scattered read stops short (a tier chain
+        whose lower tiers read into host blocks only); None: a short read ends the load."""
+        self.copier, self.storage, self.rest = copier, storage, rest
 
     def put(self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn) -> tuple[int, int]:
         """Each object written straight from the device block's pieces (hashed there)."""
@@ -107,7 +117,25 @@ class DirectRoute:
         pieces = self.copier.device_pieces(dev, checked=True)
         got = self.storage.get_into_scattered(storage_keys, pieces, go_on)  # and per object
         fetched = leading_true(got)
-        return fetched, np.ones(fetched, dtype=bool)
+        if fetched == len(storage_keys) or self.rest is None:
+            return fetched, np.ones(fetched, dtype=bool)
+        return self._fetch_rest(storage_keys, dev, fetched, go_on)
+
+    def _fetch_rest(
+        self, storage_keys: list[str], dev: np.ndarray, done: int, go_on: GoOn
+    ) -> tuple[int, np.ndarray]:
+        """Blocks ``done:`` through the staging, a staging's worth at a time, until one is not
+        loaded (``fetch``'s answer, over the whole task)."""
+        assert self.rest is not None
+        good = [np.ones(done, dtype=bool)]
+        while done < len(storage_keys):
+            chunk = slice(done, min(len(storage_keys), done + self.rest.load_step))
+            fetched, copied = self.rest.fetch(storage_keys[chunk], dev[chunk], go_on)
+            good.append(copied)
+            done += fetched
+            if fetched < chunk.stop - chunk.start or not copied.all():
+                break
+        return done, np.concatenate(good)
 
 
 def leading_true(flags) -> int:
