@@ -276,3 +276,24 @@ def test_a_chain_reads_scattered_from_its_top_tier_and_stops_where_only_below_ho
     with pytest.raises(StorageUnavailable, match="pieces is unavailable"):
         chain.put_from_scattered(make_keys(1), [[bytearray(nbytes)]])
     chain.close()
+
+
+@pytest.mark.parametrize("top_objects", [None, 8], ids=["memory", "arena"])
+def test_an_object_that_fails_its_checks_in_the_top_tier_is_not_written_down(
+    tmp_path, pool, top_objects
+):
+    """The writer reads each object from the top tier straight into its ring, checked there:
+    one whose payload rotted in memory never reaches a lower tier, is counted as a failed
+    write and is gone from the top tier too (its blocks are recomputed and saved again)."""
+    with _chain(tmp_path, "back", top_objects) as chain:
+        top, below = chain.tiers
+        keys = make_keys(3)
+        assert _put(chain, pool, keys) == [True] * 3
+        data = bytearray(top.read_object(keys[1]))
+        data[-1] ^= 0x01  # the payload's last byte
+        top.write_object(keys[1], bytes(data))
+        assert chain.writer.flush(30) == 0
+        assert [below.exists_prefix([k]) for k in keys] == [1, 0, 1]
+        assert chain.writer.counts.write_failures == 1 and chain.writer.counts.written == 2
+        assert top.exists_prefix(keys) == 1 and top.stats.corrupt == 1
+        assert top.stats.hits == 0  # the writer's reads are not the engine's hits

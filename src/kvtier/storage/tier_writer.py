@@ -8,8 +8,10 @@ tiers do not hold yet is *dirty*. ``LowerWriter`` writes dirty objects down, fro
   clean stop (``flush``).
 - An evicted dirty object is kept (its bytes, already in memory) until it is written: at most
   ``pending_bytes`` of them; a put that would evict more waits for the writer.
-- Before writing an object down the writer checks it whole (header, checksum, MAC): a bad
-  object in the top tier never reaches a lower one.
+- Before writing an object down the writer checks it whole (header, checksum, MAC): it reads
+  it from the top tier with ``get_into`` straight into its ring (no copy of the bytes between,
+  and the top tier's own objects skip the MAC there, as its loads do), so a bad object in the
+  top tier never reaches a lower one and is removed from the top tier as a load would.
 - A lower tier that raises ``StorageUnavailable`` is skipped for ``DOWN_S`` (``TierHealth``):
   what it was to get is counted in ``write_failures``, and the top tier keeps serving.
 """
@@ -191,19 +193,30 @@ class LowerWriter:
             self._finish(done)
 
     def _write(self, batch: list[tuple[str, bytes | None]]) -> dict[str, bool]:
-        """Check and copy each object into the ring, put them in every live lower tier."""
+        """Check and copy each object into the ring, put them in every live lower tier (each
+        hashes the payload for its own header: one pass over bytes already in the ring)."""
         keys: list[str] = []
-        sums: list[int | None] = []
+        slots: list[int] = []
         done: dict[str, bool] = {}
-        for key, data in batch:
-            if data is None:
-                data = self.top.read_object(key)
-            if data is None:
-                continue  # evicted (handed over again by its spill) or deleted
-            block = self._ring.block(len(keys))
+        # Still in the top tier: read straight into the ring, checked there (no copy in between,
+        # and the top tier's own objects skip the MAC, as its loads do).
+        from_top = [key for key, data in batch if data is None]
+        got = self.top.get_into(from_top, [self._ring.block(i) for i in range(len(from_top))])
+        self.top.stats.add(hits=-sum(got), misses=sum(got) - len(got))  # not the engine's reads
+        for slot, (key, read) in enumerate(zip(from_top, got)):
+            if read:
+                keys.append(key)
+                slots.append(slot)
+            elif self.top.found_corrupt(key):  # removed there: it will be recomputed
+                log.warning("not writing %s down the tier chain: it failed its checks", key)
+                done[key] = False
+            # else evicted meanwhile (handed over again by its spill) or deleted
+        for slot, (key, data) in enumerate(
+            [(k, d) for k, d in batch if d is not None], start=len(from_top)
+        ):
+            block = self._ring.block(slot)
+            payload = memoryview(data)[HEADER_BYTES:]
             try:
-                fields = self.top.format.parse(data[:HEADER_BYTES], key, block.numel())
-                payload = memoryview(data)[HEADER_BYTES : HEADER_BYTES + block.numel()]
                 self.top.format.check(data[:HEADER_BYTES], [payload], key, block.numel())
             except ObjectCorrupt as e:
                 log.warning("not writing %s down the tier chain: %s", key, e)
@@ -211,7 +224,8 @@ class LowerWriter:
                 continue
             block.numpy()[:] = payload
             keys.append(key)
-            sums.append(fields.checksum)
+            slots.append(slot)
+        blocks = [self._ring.block(slot) for slot in slots]
         stored = [True] * len(keys)
         for level, tier in enumerate(self.lower, start=1):
             if not keys:
@@ -220,7 +234,7 @@ class LowerWriter:
                 stored = [False] * len(keys)
                 continue
             try:
-                ok = tier.put_from(keys, [self._ring.block(i) for i in range(len(keys))], sums)
+                ok = tier.put_from(keys, blocks)
             except StorageUnavailable as e:
                 self.health.down(level, e)
                 ok = [False] * len(keys)
