@@ -19,7 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,9 +116,30 @@ def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int)
                     remaining -= 1
                 cond.notify_all()
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        for future in [pool.submit(serve) for _ in range(concurrency)]:
-            future.result()
+    failed: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            serve()
+        except BaseException as e:
+            failed.append(e)
+
+    # Daemon threads, joined here: on Ctrl-C no new turn starts, and the turns in flight end with
+    # the server (stopped by the caller) instead of holding the exit until the queue is served.
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for thread in clients:
+        thread.start()
+    try:
+        for thread in clients:
+            thread.join()
+    except BaseException:
+        with cond:
+            queue.clear()
+            remaining = 0
+            cond.notify_all()
+        raise
+    if failed:
+        raise failed[0]
     return [records[key] for key in sorted(records)]
 
 
