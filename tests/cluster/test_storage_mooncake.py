@@ -254,3 +254,36 @@ def test_mooncake_master_is_found_next_to_python_without_path() -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == str(beside) and lines[1].startswith("started 127.0.0.1:")
+
+
+def test_a_memory_tier_over_mooncake_serves_its_hits_directly_and_the_rest_from_the_cluster(
+    master, tmp_path
+) -> None:
+    """Two engines, each with a memory tier over one Mooncake cluster (real workers, CPU
+    caches): B loads what A saved from the cluster (its memory tier has none of it) through
+    its staging, in the same load as its memory hits (straight into the device blocks), every
+    byte A's; what came from the cluster is promoted, so B's next load is all memory hits."""
+    from kvtier.transport import tasks as t
+    from worker_helpers import block, engine, hashes, same
+
+    storage = {"tiers": [{"backend": "memory", "capacity_bytes": 32 << 20}, master.config(**SMALL)]}
+    with (
+        engine(tmp_path / "a", storage=storage) as (a, a_caches),
+        engine(tmp_path / "b", storage=storage) as (b, b_caches),
+    ):
+        h = hashes(6, seed=21)
+        assert a.save(h, list(range(6))).status is t.Status.OK
+        deadline = time.monotonic() + 60  # A's writer puts them into the cluster after answering
+        while b.lookup_tiers(h) != (6, bytes([1] * 6)):
+            assert time.monotonic() < deadline, b.lookup_tiers(h)
+            time.sleep(0.05)
+        assert b.load(h[:2], [30, 31]).blocks == [30, 31]  # from the cluster, and promoted
+        assert b.lookup_tiers(h) == (6, bytes([0, 0, 1, 1, 1, 1]))
+        dev = [10, 11, 12, 13, 14, 15]
+        assert b.load(h, dev).blocks == dev  # 2 from memory, 4 through 4 staging blocks
+        for a_cache, b_cache in zip(a_caches, b_caches):
+            assert all(same(block(b_cache, d), block(a_cache, i)) for i, d in enumerate(dev))
+        assert b.lookup_tiers(h) == (6, b"")  # promoted: all in B's memory tier now
+        assert b.load(h, [20, 21, 22, 23, 24, 25]).blocks == [20, 21, 22, 23, 24, 25]
+        for a_cache, b_cache in zip(a_caches, b_caches):
+            assert all(same(block(b_cache, 20 + i), block(a_cache, i)) for i in range(6))
