@@ -271,7 +271,9 @@ def test_a_chain_reads_scattered_from_its_top_tier_and_stops_where_only_below_ho
     assert chain.get_into_scattered(keys, targets) == [True, False, False]
     assert bytes(targets[0][0] + targets[0][1]) == expected_block(keys[0], nbytes).numpy().tobytes()
     assert all(set(t) == {0xEE} for t in targets[1])
+    assert (chain.stats.hits, chain.stats.misses) == (1, 0)  # the caller reads on (below)
     assert _get(chain, pool, keys) == [True] * 3  # through host blocks: every tier
+    assert (chain.stats.hits, chain.stats.misses) == (4, 0)
     chain.health.down(0, StorageUnavailable("test: the top tier is down"))
     with pytest.raises(StorageUnavailable, match="pieces is unavailable"):
         chain.put_from_scattered(make_keys(1), [[bytearray(nbytes)]])
