@@ -88,6 +88,13 @@ def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int)
     cond = threading.Condition()
     remaining = len(sessions)  # sessions with a turn still to answer
 
+    def stop() -> None:  # no turn starts after this
+        nonlocal remaining
+        with cond:
+            queue.clear()
+            remaining = 0
+            cond.notify_all()
+
     def serve() -> None:
         nonlocal remaining
         while True:
@@ -102,10 +109,7 @@ def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int)
             try:
                 record = stream(server, prompt, output, sessions[i].group, seen)
             except BaseException:
-                with cond:  # the other threads stop too, and the error is raised below
-                    queue.clear()
-                    remaining = 0
-                    cond.notify_all()
+                stop()  # the other threads stop too, and the error is raised by _in_threads
                 raise
             with cond:
                 answered.add(sessions[i].group)
@@ -116,6 +120,14 @@ def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int)
                     remaining -= 1
                 cond.notify_all()
 
+    _in_threads(serve, concurrency, stop)
+    return [records[key] for key in sorted(records)]
+
+
+def _in_threads(serve: Any, concurrency: int, stop: Any) -> None:
+    """``serve`` on ``concurrency`` daemon threads, joined here; the first error is raised. On
+    Ctrl-C ``stop`` ends the queue: no new turn starts, and the turns in flight end with the
+    server (the caller stops it) instead of holding the exit until every turn was served."""
     failed: list[BaseException] = []
 
     def client() -> None:
@@ -124,8 +136,6 @@ def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int)
         except BaseException as e:
             failed.append(e)
 
-    # Daemon threads, joined here: on Ctrl-C no new turn starts, and the turns in flight end with
-    # the server (stopped by the caller) instead of holding the exit until the queue is served.
     clients = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     for thread in clients:
         thread.start()
@@ -133,14 +143,10 @@ def run(server: Any, sessions: Sequence[Session], concurrency: int, output: int)
         for thread in clients:
             thread.join()
     except BaseException:
-        with cond:
-            queue.clear()
-            remaining = 0
-            cond.notify_all()
+        stop()
         raise
     if failed:
         raise failed[0]
-    return [records[key] for key in sorted(records)]
 
 
 def stream(server: Any, prompt: list[int], output: int, group: str, seen: bool) -> Record:
