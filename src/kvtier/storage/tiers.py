@@ -199,8 +199,8 @@ class TieredStore(StorageBackend):
         """Each block from the fastest tier that reads scattered and holds it; a block only the
         others hold ends the run (``reads_scattered_on_top``)."""
         self._check_scattered(keys, targets)
-        start = 0
-        live = [(level, t) for level, t in self._live() if t.supports_scattered_reads]
+        start, up = 0, self._live()
+        live = [(level, t) for level, t in up if t.supports_scattered_reads]
         while start < len(keys):
             for level, tier in live:
                 args = (keys[start:], targets[start:], go_on)
@@ -220,7 +220,7 @@ class TieredStore(StorageBackend):
             else:
                 break
         results = self._answered([True] * start + [False] * (len(keys) - start))
-        if len(live) < len(self._live()):  # the rest is asked for with get_into, which counts it
+        if len(live) < len(up):  # the rest is asked for with get_into, which counts it
             self._own.add(hits=start)
             return results
         return self._count(results)

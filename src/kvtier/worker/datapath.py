@@ -193,7 +193,9 @@ class DataPath:
                 done += verified
                 moved += int(good.sum()) * self.host_pool.block_bytes
                 if verified < chunk.stop - chunk.start:
-                    break
+                    if verified < fetched or route.rest is None:
+                        break
+                    route = route.rest  # a chain's blocks below its scattered tiers
             self._drop_unverified_after_corrupt(storage_keys, done)
         except StorageUnavailable as e:
             return Outcome(

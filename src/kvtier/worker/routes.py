@@ -37,6 +37,7 @@ from kvtier.storage.base import GoOn, StorageBackend
 
 class StagedRoute:
     name = "staged"
+    rest = None  # a short read ends the load
 
     def __init__(
         self,
@@ -97,7 +98,8 @@ class DirectRoute:
         self, copier: BlockCopier, storage: StorageBackend, rest: StagedRoute | None = None
     ) -> None:
         """``rest``: where a load goes on when the scattered read stops short (a tier chain
-        whose lower tiers read into host blocks only); None: a short read ends the load."""
+        whose lower tiers read into host blocks only; ``DataPath`` switches to it); None: a
+        short read ends the load."""
         self.copier, self.storage, self.rest = copier, storage, rest
 
     def put(self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn) -> tuple[int, int]:
@@ -117,25 +119,7 @@ class DirectRoute:
         pieces = self.copier.device_pieces(dev, checked=True)
         got = self.storage.get_into_scattered(storage_keys, pieces, go_on)  # and per object
         fetched = leading_true(got)
-        if fetched == len(storage_keys) or self.rest is None:
-            return fetched, np.ones(fetched, dtype=bool)
-        return self._fetch_rest(storage_keys, dev, fetched, go_on)
-
-    def _fetch_rest(
-        self, storage_keys: list[str], dev: np.ndarray, done: int, go_on: GoOn
-    ) -> tuple[int, np.ndarray]:
-        """Blocks ``done:`` through the staging, a staging's worth at a time, until one is not
-        loaded (``fetch``'s answer, over the whole task)."""
-        assert self.rest is not None
-        good = [np.ones(done, dtype=bool)]
-        while done < len(storage_keys):
-            chunk = slice(done, min(len(storage_keys), done + self.rest.load_step))
-            fetched, copied = self.rest.fetch(storage_keys[chunk], dev[chunk], go_on)
-            good.append(copied)
-            done += fetched
-            if fetched < chunk.stop - chunk.start or not copied.all():
-                break
-        return done, np.concatenate(good)
+        return fetched, np.ones(fetched, dtype=bool)
 
 
 def leading_true(flags) -> int:
