@@ -34,6 +34,25 @@ class HostBlocksOnlyStore(MemoryStore):
     supports_scattered_reads = False
 
 
+class PeerWritableStore(HostBlocksOnlyStore):
+    """As Mooncake: reads into host blocks only, and those blocks are memory its peers can
+    write (registered). ``peer(key, block)``, when set, is such a peer: called with each block
+    this store filled, after its own checks, it may write the block."""
+
+    exposes_registered_memory = True
+
+    def __init__(self, spec, *, mac_key: bytes | None = None) -> None:
+        super().__init__(spec, mac_key=mac_key)
+        self.peer = None
+
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        got = super().get_into(keys, host_blocks, checksums_out, headers_out)
+        for key, host_block, ok in zip(keys, host_blocks, got):
+            if ok and self.peer is not None:
+                self.peer(key, host_block)
+        return got
+
+
 def hashes(n: int, seed: int = 0) -> list[bytes]:
     tokens = np.random.default_rng(seed).integers(0, 50_000, n * WSPEC.block_size)
     return block_hashes(tokens, WSPEC.block_size)

@@ -14,6 +14,7 @@ import uuid
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from conftest import fill_random
 from kvtier.engine.client import Client, aggregate
@@ -25,6 +26,7 @@ from kvtier.storage import make_backend
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory import MemoryStore
 from kvtier.storage.tiers import TieredStore
+from kvtier.testing.contract import MAC_KEY
 from kvtier.transport import tasks as t
 from kvtier.transport.local import LocalClient
 from kvtier.worker import deadline
@@ -33,7 +35,15 @@ from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.datapath import DataPath
 from kvtier.worker.gate import Gate, Refusal, WorkerState
 from kvtier.worker.resources import RankResources
-from worker_helpers import WSPEC, HostBlocksOnlyStore, block, local_worker, same
+from kvtier.worker.routes import PrivateBlocks, StagedRoute
+from worker_helpers import (
+    WSPEC,
+    HostBlocksOnlyStore,
+    PeerWritableStore,
+    block,
+    local_worker,
+    same,
+)
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:
@@ -133,10 +143,17 @@ def test_one_ranks_answer_aggregates_as_two_identical_ranks_would() -> None:
 def _store_for(route: str):
     if route == "mixed":  # memory over a tier that reads into host blocks only (as Mooncake)
         return TieredStore([MemoryStore(WSPEC), HostBlocksOnlyStore(WSPEC)])
+    if route.startswith("peer"):  # Mooncake's kind: staging its peers can write; MACs on
+        if route == "peer-mixed":
+            tiers = [MemoryStore(WSPEC), PeerWritableStore(WSPEC)]
+            return TieredStore(tiers, mac_key=MAC_KEY)
+        return PeerWritableStore(WSPEC, mac_key=MAC_KEY)
     return (MemoryStore if route == "direct" else HostBlocksOnlyStore)(WSPEC)
 
 
-@pytest.fixture(params=["direct", "staged", "mixed"])
+# peer-*: the store's peers can write the staging (Mooncake); peer-private: as on a CUDA
+# cache, loads are checked in private host blocks on their way to the device.
+@pytest.fixture(params=["direct", "staged", "mixed", "peer-staged", "peer-private", "peer-mixed"])
 def datapath(request):
     layout = HostLayout(engine_blocks=8, staging_blocks=2)
     name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
@@ -144,9 +161,19 @@ def datapath(request):
         fill_random(cache, 1)
         path = DataPath(cache, pool, layout, _store_for(request.param))
         # Chosen once, when the path is built: a mixed chain reads its top tier directly.
-        assert path.route.name == {"mixed": "direct"}.get(request.param, request.param)
-        assert (getattr(path.route, "rest", None) is not None) == (request.param == "mixed")
+        mixed = request.param.endswith("mixed")
+        assert path.route.name == (
+            "direct" if mixed else "staged" if "-" in request.param else request.param
+        )
+        assert (getattr(path.route, "rest", None) is not None) == mixed
+        staged = path.route.rest if mixed else path.route
+        if isinstance(staged, StagedRoute):
+            assert staged.peers_write_staging == request.param.startswith("peer")
+        if request.param == "peer-private":  # what DataPath builds for a CUDA cache
+            staged.private = PrivateBlocks(cache, pool, layout.staging_blocks)
         yield path, cache, KeyScheme("m", WSPEC.fingerprint, 0, "v1")
+        if request.param == "peer-private":
+            staged.private.close()
         path.close()
 
 
@@ -300,6 +327,91 @@ def test_a_task_past_its_cutoff_leaves_its_device_blocks_alone_on_either_route(d
         with pytest.raises(DeadlinePassed, match="after its transfer from the store"):
             path.run(load, keys, time.monotonic() + 0.1)
     assert all(same(block(cache, 20 + i), before[i]) for i in range(4))
+
+
+def _addresses(views) -> list[int]:
+    return [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views]
+
+
+def test_a_peer_writing_the_staging_never_gets_its_bytes_into_the_device_or_memory(
+    datapath,
+) -> None:
+    """Mooncake lets any peer of the cluster write registered memory, the worker's staging
+    included. A peer that writes a block there after the store has checked it (here: as
+    ``get_into`` answers) gets none of its bytes into the engine's cache or the memory tier:
+    every MAC of the load is checked where the bytes landed, never in the staging (before, the
+    MAC was checked in the staging and the copy that followed trusted an XXH3, no MAC); the
+    block that fails is scrubbed, counted and removed, the blocks before it load, and a chain
+    promotes only those."""
+    from unittest import mock
+
+    from kvtier.storage.format import ObjectFormat
+
+    path, cache, keys = datapath
+    chain = isinstance(path.storage, TieredStore)
+    staged = path.route.rest if chain else path.route
+    if not getattr(staged, "peers_write_staging", False):
+        pytest.skip("this store's staging is private memory")
+    h = hashes(5, seed=31)
+    names = keys.keys(h)
+    want = [block(cache, b) for b in range(5)]
+    assert path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys).blocks
+    store = path.storage
+    lower = store.tiers[1] if chain else store
+    if chain:
+        assert store.writer.flush(30) == 0
+        store.tiers[0].delete(names)  # every block from the cluster, through the staging
+    lower.peer = lambda key, host_block: key == names[2] and host_block.fill_(0xAB)
+    staging = [path.host_pool.block(int(i)).data_ptr() for i in path.layout.load_staging]
+    low, high = min(staging), max(staging) + WSPEC.block_bytes
+    checked: list[int] = []
+    mac = ObjectFormat._mac
+
+    def spy(fmt, body, key, payload):
+        checked.extend(_addresses(payload))
+        return mac(fmt, body, key, payload)
+
+    with mock.patch.object(ObjectFormat, "_mac", autospec=True, side_effect=spy):
+        loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
+    assert loaded.status is t.Status.PARTIAL and loaded.blocks == [20, 21]
+    assert all(same(block(cache, 20 + i), want[i]) for i in range(2))
+    assert not any(torch.all(piece == 0xAB) for piece in block(cache, 22))
+    assert store.stats.corrupt == 1 and store.exists_prefix(names) == 2
+    assert checked and not [a for a in checked if low <= a < high]
+    if chain:  # promoted: the two that passed, not the forged one
+        assert store.tiers[0].exists_prefix(names) == 2
+        assert store.tiers[0].exists_prefix(names[2:3]) == 0
+
+
+def test_a_host_load_through_staging_a_peer_can_write_is_checked_in_the_engines_block() -> None:
+    """``load_host`` with Mooncake's kind of store goes through the registered staging too:
+    each block is checked in the engine's host block it was copied to (before, it was checked
+    in the staging and then copied unchecked); one that fails is zeroed there and ends the
+    load, and a save of the blocks again makes the prefix whole."""
+    layout = HostLayout(engine_blocks=8, staging_blocks=2)
+    name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
+    store = PeerWritableStore(WSPEC, mac_key=MAC_KEY)
+    with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
+        path, h = DataPath(cache, pool, layout, store), hashes(4, seed=33)
+        keys = KeyScheme("m", WSPEC.fingerprint, 0, "v1")
+        gen = torch.Generator().manual_seed(5)
+        for i in range(4):
+            random = torch.randint(0, 256, (WSPEC.block_bytes,), dtype=torch.uint8, generator=gen)
+            pool.block(i).copy_(random)
+        want = [pool.block(i).clone() for i in range(4)]
+        assert path.run(t.SaveHost(block_hashes=h, host_block_ids=[0, 1, 2, 3]), keys).blocks
+        forged = keys.keys(h)[1]
+        store.peer = lambda key, host_block: key == forged and host_block.fill_(0xAB)
+        bad = path.run(t.LoadHost(block_hashes=h, host_block_ids=[4, 5, 6, 7]), keys)
+        assert bad.status is t.Status.PARTIAL and bad.blocks == [4]
+        assert torch.equal(pool.block(4), want[0]) and not torch.any(pool.block(5))
+        assert store.stats.corrupt == 1 and store.exists_prefix(keys.keys(h)) == 1
+        store.peer = None
+        assert path.run(t.SaveHost(block_hashes=h, host_block_ids=[0, 1, 2, 3]), keys).blocks
+        whole = path.run(t.LoadHost(block_hashes=h, host_block_ids=[4, 5, 6, 7]), keys)
+        assert whole.blocks == [4, 5, 6, 7]
+        assert all(torch.equal(pool.block(4 + i), want[i]) for i in range(4))
+        path.close()
 
 
 def test_a_direct_load_from_a_stalled_disk_reads_no_object_past_the_cutoff(tmp_path) -> None:

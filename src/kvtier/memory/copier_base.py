@@ -71,9 +71,15 @@ class BlockCopier(ABC):
         return moved
 
     def swap_in(
-        self, host_block_ids: BlockIds, device_block_ids: BlockIds, host_limit: int | None = None
+        self,
+        host_block_ids: BlockIds,
+        device_block_ids: BlockIds,
+        host_limit: int | None = None,
+        *,
+        checked: bool = False,
     ) -> int:
-        dev, host = self._validate(device_block_ids, host_block_ids, False, host_limit)
+        """Host blocks -> device blocks (pairwise); ``checked``: as for ``swap_out``."""
+        dev, host = self._validate(device_block_ids, host_block_ids, False, host_limit, checked)
         if dev.size == 0:
             return 0
         return self._swap_in(host, dev, False)[0]

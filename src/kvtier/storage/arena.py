@@ -163,8 +163,8 @@ class ArenaStore(StorageBackend):
             self._unpin_all(found)
         return bool(found)
 
-    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out)
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out, headers_out)
         results = [False] * len(keys)
         found = self._pin_parsed(keys, prefix=False)
         try:
@@ -183,6 +183,7 @@ class ArenaStore(StorageBackend):
                         payload_hash=None if hashes is None else int(hashes[j]),
                         fields=fields,
                         mac=self._fields[slot] is None,
+                        headers_out=headers_out,
                     )
                     results[i] = True
                 except ObjectCorrupt as e:

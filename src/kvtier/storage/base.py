@@ -24,6 +24,14 @@ Contract (implementations do not repeat it):
   written to ``checksums_out[i]``. The caller must verify the bytes before use (the worker does
   it inside the host->device copy with ``BlockCopier.swap_in_verified``) and report a mismatch
   with ``report_corrupt``.
+- Bytes in memory a peer can write. Mooncake's transfer engine lets any peer write registered
+  memory, so a check made there proves nothing about the bytes a later copy reads.
+  ``get_into(..., checksums_out=..., headers_out=[None] * n)`` leaves the MAC to the caller as
+  well: each True has a private copy of the header it checked in ``headers_out[i]``, and the
+  caller copies the payload out of the registered memory first and then checks it where it
+  lies with ``format.check_deferred`` (the MAC; the checksum where objects are not
+  authenticated). A tier chain then promotes nothing itself: the caller calls
+  ``promote(keys, sources)`` with the verified bytes (``kvtier.worker.routes``).
 - ``get_into_scattered(keys, targets)`` (backends with ``supports_scattered_reads``): like
   ``get_into``, but each key's payload lands in ``targets[i]``, a list of writable buffers
   filled in order (a CPU device block's per-layer pieces): one copy from storage straight into
@@ -194,10 +202,12 @@ class StorageBackend(ABC):
         keys: Sequence[str],
         host_blocks: Sequence[torch.Tensor],
         checksums_out: np.ndarray | None = None,
+        headers_out: list[bytes | None] | None = None,
     ) -> list[bool]:
         """Fill ``host_blocks[i]`` with ``keys[i]``'s payload; one bool per key, True iff the
         block holds exactly the stored bytes (verified; with ``checksums_out``: header checked,
-        payload checksum written there for the caller to verify). A miss is False, never an
+        payload checksum written there for the caller to verify; with ``headers_out`` too, the
+        MAC left to the caller, see the module docstring). A miss is False, never an
         exception; a detected bad object is counted, logged once and removed."""
 
     @abstractmethod
@@ -210,6 +220,11 @@ class StorageBackend(ABC):
         """Store ``host_blocks[i]`` under ``keys[i]`` (``checksums[i]``: its XXH3-64 when the
         caller knows it); one bool per key, True iff the object is now stored (an existing key
         is kept as it is). A failed or interrupted put is never visible to readers."""
+
+    def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None:  # noqa: B027
+        """Bytes the caller verified after a ``get_into(..., headers_out=...)`` (``sources[i]``:
+        ``keys[i]``'s payload in pieces): a tier chain puts those it loaded from below into
+        its top tier. One backend: nothing to do."""
 
     def get_into_scattered(
         self,
@@ -283,12 +298,16 @@ class StorageBackend(ABC):
     # ---- helpers for implementations --------------------------------------------------------
 
     def _check_batch(
-        self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor], extra=None
+        self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor], extra=None, headers=None
     ) -> None:
         if len(keys) != len(host_blocks):
             raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
         if extra is not None and len(extra) != len(keys):
             raise StorageError(f"{len(keys)} keys but {len(extra)} checksums")
+        if headers is not None and (extra is None or len(headers) != len(keys)):
+            raise StorageError(
+                f"headers_out needs checksums_out and one entry per key ({len(keys)} keys)"
+            )
         for i, block in enumerate(host_blocks):
             if block.dtype != torch.uint8 or block.numel() != self.payload_bytes:
                 raise StorageError(

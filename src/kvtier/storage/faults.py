@@ -65,10 +65,13 @@ class FaultInjectingStore(StorageBackend):
         self._enter("exists_prefix")
         return self.inner.exists_prefix(keys)
 
-    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out)
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out, headers_out)
         self._enter("get_into")
-        return self._drop_some(self.inner.get_into(keys, host_blocks, checksums_out))
+        return self._drop_some(self.inner.get_into(keys, host_blocks, checksums_out, headers_out))
+
+    def promote(self, keys, sources) -> None:
+        self.inner.promote(keys, sources)
 
     @property
     def supports_scattered_reads(self) -> bool:

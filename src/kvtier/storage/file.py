@@ -115,9 +115,9 @@ class FileStore(StorageBackend):
                 return n
         return len(keys)
 
-    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out)
-        fn = functools.partial(self._get_one, checksums_out=checksums_out)
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+        fn = functools.partial(self._get_one, checksums_out=checksums_out, headers_out=headers_out)
         return self._count_gets(self._striped(fn, keys, host_blocks))
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
@@ -191,10 +191,13 @@ class FileStore(StorageBackend):
             return False
         return True
 
-    def _get_one(self, index: int, key: str, target, checksums_out=None, go_on=None) -> bool:
+    def _get_one(
+        self, index: int, key: str, target, checksums_out=None, go_on=None, headers_out=None
+    ) -> bool:
         """Read one object into a host block (a tensor) or a list of buffers (scattered),
-        hashed as it is read unless the caller verifies it while it copies (checksums_out);
-        ``go_on``: as for ``get_into_scattered``, called before the read."""
+        hashed as it is read unless the caller verifies it while it copies (checksums_out,
+        headers_out: ``StorageBackend.get_into``); ``go_on``: as for ``get_into_scattered``,
+        called before the read."""
         if go_on is not None:
             go_on(f"before reading object {index} into its targets")
         fan, name = object_name(key)
@@ -216,7 +219,14 @@ class FileStore(StorageBackend):
                 raise ObjectCorrupt("key trailer names another key")
             if tensor:
                 self.format.check_or_defer(
-                    header, views[0], key, checksums_out, index, found.body_hash, parsed
+                    header,
+                    views[0],
+                    key,
+                    checksums_out,
+                    index,
+                    found.body_hash,
+                    parsed,
+                    headers_out=headers_out,
                 )
             else:
                 self.format.check(header, views, key, self.payload_bytes, found.body_hash, parsed)

@@ -227,11 +227,19 @@ class ObjectFormat:
         payload_hash: int | None = None,
         fields: Header | None = None,
         mac: bool = True,
+        headers_out: list[bytes | None] | None = None,
     ) -> None:
         """``check`` of a one-buffer payload; or, when ``checksums_out`` is given, the header
-        only (and the MAC, which cannot wait) with the payload checksum written to
-        ``checksums_out[index]`` for the caller to verify the bytes later. ``mac``: as for
-        ``check``."""
+        only (and the MAC) with the payload checksum written to ``checksums_out[index]`` for
+        the caller to verify the bytes later. ``mac``: as for ``check``. ``headers_out`` (with
+        ``checksums_out``): the MAC is the caller's too — a private copy of the header, the one
+        checked here, goes to ``headers_out[index]`` for ``check_deferred`` on bytes no peer of
+        the store can write (``StorageBackend.get_into``)."""
+        if headers_out is not None:
+            raw = bytes(header[:HEADER_BYTES])  # the header may sit in memory a peer can write
+            checksums_out[index] = self.parse(raw, key, len(payload)).checksum
+            headers_out[index] = raw
+            return
         if fields is None:
             fields = self.parse(header, key, len(payload))
         if checksums_out is None:
@@ -240,3 +248,14 @@ class ObjectFormat:
         checksums_out[index] = fields.checksum
         if self.mac_key is not None and mac:
             self._check_mac(header, key, [payload])
+
+    def check_deferred(self, header: bytes, key: str, payload: Sequence) -> None:
+        """The payload check a ``get_into(..., headers_out=...)`` left to its caller, over the
+        bytes where they now lie (a list of buffers, in order; memory no peer of the store can
+        write): the MAC where objects are authenticated (it covers the checksum field too),
+        the checksum otherwise. ``header``: the private copy from ``headers_out``. Raises
+        ObjectCorrupt."""
+        if self.mac_key is not None:
+            self._check_mac(header, key, payload)
+        elif checksum_of(payload) != read_header(header).checksum:
+            raise ObjectCorrupt("payload checksum mismatch")

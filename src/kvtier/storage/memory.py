@@ -71,8 +71,8 @@ class MemoryStore(StorageBackend):
                 self._sound.add(key)
         return True
 
-    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out)
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out, headers_out)
         results = []
         for i, (key, block) in enumerate(zip(keys, host_blocks)):
             with self._lock:
@@ -88,7 +88,15 @@ class MemoryStore(StorageBackend):
                 if len(data) != self.object_bytes:
                     raise ObjectCorrupt(f"object is {len(data)} bytes, not {self.object_bytes}")
                 header, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
-                self.format.check_or_defer(header, payload, key, checksums_out, i, mac=not authored)
+                self.format.check_or_defer(
+                    header,
+                    payload,
+                    key,
+                    checksums_out,
+                    i,
+                    mac=not authored,
+                    headers_out=headers_out,
+                )
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
                 self.delete([key])

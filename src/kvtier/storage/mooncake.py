@@ -227,8 +227,8 @@ class MooncakeStore(StorageBackend):
             self._stored_bytes += sum(results) * self.object_bytes
         return self._count_puts(results)
 
-    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out)
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        self._check_batch(keys, host_blocks, checksums_out, headers_out)
         if not keys:
             return []
         slots = self._slots(host_blocks)
@@ -257,11 +257,13 @@ class MooncakeStore(StorageBackend):
                 )
             for i, code in zip(chunk, chunk_codes):
                 results.append(
-                    self._verify(i, keys[i], host_blocks[i], slots[i][0], code, checksums_out)
+                    self._verify(
+                        i, keys[i], host_blocks[i], slots[i][0], code, checksums_out, headers_out
+                    )
                 )
         return self._count_gets(results)
 
-    def _verify(self, index, key, block, header, code, checksums_out) -> bool:
+    def _verify(self, index, key, block, header, code, checksums_out, headers_out) -> bool:
         outcome = _classify(code, self.object_bytes)
         if outcome is not Fate.OK:
             if code is not None and code >= 0:  # present but not the size we store: corrupt
@@ -269,7 +271,9 @@ class MooncakeStore(StorageBackend):
                 self.delete([key])
             return False
         try:
-            self.format.check_or_defer(header, block.numpy(), key, checksums_out, index)
+            self.format.check_or_defer(
+                header, block.numpy(), key, checksums_out, index, headers_out=headers_out
+            )
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self.delete([key])

@@ -159,41 +159,38 @@ class TieredStore(StorageBackend):
                 break
         return self._answered((len(levels), bytes(levels) if any(levels) else b""))
 
-    def get_into(self, keys, host_blocks, checksums_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out)
-        results = [False] * len(keys)
+    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+        """Each block from the fastest tier that holds it; those from below promoted, unless
+        the caller checks the bytes itself (``headers_out``: it calls ``promote`` after)."""
+        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+        results, below = [False] * len(keys), []
         todo = list(range(len(keys)))
-        loaded_below: list[int] = []
         for level, tier in self._live():
             if not todo:
                 break
-            sums = None if checksums_out is None else np.zeros(len(todo), dtype=np.uint64)
-            got = self._ask(
-                level,
-                tier.get_into,
-                [keys[i] for i in todo],
-                [host_blocks[i] for i in todo],
-                sums,
-                default=[False] * len(todo),
-            )
-            left = []
-            for j, (i, ok) in enumerate(zip(todo, got)):
-                if not ok:
-                    left.append(i)
-                    continue
+            got = _get_from(self, level, tier, keys, host_blocks, todo, checksums_out, headers_out)
+            below += [i for i in got if level > 0]
+            for i in got:
                 results[i] = True
-                if sums is not None:
-                    checksums_out[i] = sums[j]
-                if level > 0:
-                    loaded_below.append(i)
-            todo = left
+            todo = [i for i in todo if not results[i]]
         prefix = results.index(False) if False in results else len(results)
-        promote = [i for i in loaded_below if i < prefix]
-        if promote:
+        promote = [i for i in below if i < prefix]
+        if promote and headers_out is None:
             known = None if checksums_out is None else [int(checksums_out[i]) for i in promote]
             blocks = [host_blocks[i] for i in promote]
             self._promote("put_from", [keys[i] for i in promote], blocks, known)
         return self._count(self._answered(results))
+
+    def promote(self, keys, sources) -> None:
+        """Into the top tier, what it does not hold yet (the caller verified the bytes)."""
+        top = self.tiers[0]
+        if not keys or not top.supports_scattered_reads or not self.health.up(0):
+            return
+        new = [
+            i for i, key in enumerate(keys) if not self._ask(0, top.exists_prefix, [key], default=1)
+        ]
+        if new:
+            self._promote("put_from_scattered", [keys[i] for i in new], [sources[i] for i in new])
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         """Each block from the fastest tier that reads scattered and holds it; a block only the
@@ -334,6 +331,29 @@ class TieredStore(StorageBackend):
             self.writer = None
         for tier in self.tiers:
             tier.close()
+
+
+def _get_from(chain, level, tier, keys, host_blocks, todo, checksums_out, headers_out) -> list[int]:
+    """``tier.get_into`` of the blocks ``todo``; the ones it loaded (their checksums and
+    headers copied out where asked for). A tier that is down loads none."""
+    sums = None if checksums_out is None else np.zeros(len(todo), dtype=np.uint64)
+    heads: list[bytes | None] | None = None if headers_out is None else [None] * len(todo)
+    got = chain._ask(
+        level,
+        tier.get_into,
+        [keys[i] for i in todo],
+        [host_blocks[i] for i in todo],
+        sums,
+        heads,
+        default=[False] * len(todo),
+    )
+    loaded = [i for i, ok in zip(todo, got) if ok]
+    for j, (i, ok) in enumerate(zip(todo, got)):
+        if ok and sums is not None:
+            checksums_out[i] = sums[j]
+        if ok and heads is not None:
+            headers_out[i] = heads[j]
+    return loaded
 
 
 def _tier_rows(chain: TieredStore) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.errors import StorageError
+from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.checksum import payload_checksum
 from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 from kvtier.testing.contract_base import (
@@ -136,6 +136,42 @@ class IntegrityContract(ContractBase):
         assert store.exists_prefix(keys[1:2]) == 0
         with pytest.raises(StorageError, match="3 keys but 2 checksums"):
             store.get_into(keys, targets, checksums_out=sums[:2])
+
+    def test_deferred_headers_leave_the_mac_to_the_caller(self, store, pool) -> None:
+        """``headers_out``: for loads into memory a peer can write (Mooncake's registered
+        staging). The header is checked here (a bad one is a miss, as always); the payload and
+        its MAC are not: the caller gets a private copy of the header and checks the bytes
+        where it copied them (``format.check_deferred``)."""
+        with authenticated(store, MAC_KEY):
+            keys = make_keys(3)
+            self.put(store, pool, keys)
+            payload = bytearray(store.read_object(keys[1]))
+            payload[HEADER_BYTES + 7] ^= 0x10  # the MAC no longer matches
+            store.write_object(keys[1], bytes(payload))
+            header = bytearray(store.read_object(keys[2]))
+            header[9] ^= 0x01  # the fingerprint: caught here
+            store.write_object(keys[2], bytes(header))
+            targets = [pool.block(8 + i) for i in range(3)]
+            sums, headers = np.zeros(3, dtype=np.uint64), [None] * 3
+            assert store.get_into(keys, targets, sums, headers) == [True, True, False]
+            assert [len(h) if h else h for h in headers] == [HEADER_BYTES, HEADER_BYTES, None]
+            check = store.format.check_deferred
+            check(headers[0], keys[0], [targets[0].numpy().data])
+            assert torch.equal(targets[0], expected_block(keys[0], CONTRACT_SPEC.block_bytes))
+            with pytest.raises(ObjectCorrupt, match="MAC mismatch"):
+                check(headers[1], keys[1], [targets[1].numpy().data])
+            with pytest.raises(ObjectCorrupt, match="MAC mismatch"):  # another key's header
+                check(headers[0], keys[1], [targets[0].numpy().data])
+            with pytest.raises(StorageError, match="headers_out needs checksums_out"):
+                store.get_into(keys, targets, None, headers)
+        plain = make_keys(1)  # without a MAC key the caller's check is the checksum
+        self.put(store, pool, plain)
+        sums, headers = np.zeros(1, dtype=np.uint64), [None]
+        assert store.get_into(plain, targets[:1], sums, headers) == [True]
+        store.format.check_deferred(headers[0], plain[0], [targets[0].numpy().data])
+        targets[0][3] ^= 1
+        with pytest.raises(ObjectCorrupt, match="checksum mismatch"):
+            store.format.check_deferred(headers[0], plain[0], [targets[0].numpy().data])
 
     # ---- authenticated objects (storage.mac_key_file) ---------------------------------------
 

@@ -38,6 +38,7 @@ from kvtier.memory.copier import BlockCopier, make_copier
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostLayout, HostPool
 from kvtier.storage.base import StorageBackend
+from kvtier.storage.file_io import zero
 from kvtier.transport.tasks import (
     DataTask,
     Load,
@@ -51,9 +52,18 @@ from kvtier.transport.tasks import (
 )
 from kvtier.worker import deadline
 from kvtier.worker.deadline import NO_CUTOFF
-from kvtier.worker.routes import DirectRoute, GoOn, StagedRoute, leading_true
+from kvtier.worker.routes import (
+    DirectRoute,
+    GoOn,
+    PrivateBlocks,
+    StagedRoute,
+    check_copies,
+    leading_true,
+)
 
 log = logging.getLogger(__name__)
+
+CHECK_FAILED = "payload failed its check in the copy out of the staging (checksum or MAC)"
 
 
 @dataclass(slots=True)
@@ -91,12 +101,16 @@ class DataPath:
         self._save_lock = threading.Lock()  # the save staging range (save, staged save_host)
         self._load_lock = threading.Lock()  # the load staging range (load, staged load_host)
         self._staged_host_io = storage.exposes_registered_memory
+        self._private: PrivateBlocks | None = None
+        if self._staged_host_io and not self.copier.direct_device_access:
+            self._private = PrivateBlocks(device_cache, host_pool, layout.staging_blocks)
         staged = StagedRoute(
             self.copier,
             host_pool,
             storage,
             (self._save_staging, self._load_staging),
             (self._save_lock, self._load_lock),
+            self._private,
         )
         self.route: StagedRoute | DirectRoute = staged
         if self.copier.direct_device_access and storage.reads_scattered_on_top:
@@ -187,9 +201,7 @@ class DataPath:
                 fetched, good = route.fetch(storage_keys[chunk], dev[chunk], go_on)
                 verified = leading_true(good.tolist())
                 if verified < fetched:
-                    self.storage.report_corrupt(
-                        storage_keys[chunk][verified], "payload checksum mismatch"
-                    )
+                    self.storage.report_corrupt(storage_keys[chunk][verified], CHECK_FAILED)
                 done += verified
                 moved += int(good.sum()) * self.host_pool.block_bytes
                 if verified < chunk.stop - chunk.start:
@@ -276,23 +288,38 @@ class DataPath:
         return ok
 
     def _get_staged(self, storage_keys: list[str], host: np.ndarray) -> list[bool]:
-        """``_get_host_blocks`` through the load staging; only verified blocks are copied on."""
+        """``_get_host_blocks`` through the load staging (registered: peers can write it), so
+        each block is checked where it lands, in the engine's host block (a block that fails is
+        zeroed there); then a chain may promote it."""
         ok: list[bool] = []
         step = self._load_staging.size
         for start in range(0, host.size, step):
             dst = host[start : start + step]
             ids = self._load_staging[: dst.size]
+            keys = storage_keys[start : start + dst.size]
             with self._load_lock:
-                got = self._get_host_blocks(storage_keys[start : start + dst.size], ids)
-                for s, d in zip(ids[: leading_true(got)].tolist(), dst.tolist()):
-                    self.host_pool.block(d).copy_(self.host_pool.block(s))
-            ok += got
-            if not all(got):
+                blocks = [self.host_pool.block(int(i)) for i in ids]
+                headers: list[bytes | None] = [None] * ids.size
+                sums = np.zeros(ids.size, dtype=np.uint64)
+                fetched = leading_true(self.storage.get_into(keys, blocks, sums, headers))
+                landed = [self.host_pool.block(d) for d in dst[:fetched].tolist()]
+                for block, mine in zip(blocks, landed):
+                    mine.copy_(block)
+            pieces = [[b.numpy().data] for b in landed]
+            good = check_copies(self.storage, keys, headers, pieces, zero).tolist()
+            verified = leading_true(good)
+            if verified < fetched:
+                self.storage.report_corrupt(keys[verified], CHECK_FAILED)
+            self.storage.promote(keys[:verified], pieces[:verified])
+            ok += good + [False] * (len(keys) - fetched)
+            if not all(ok):
                 break
         return ok
 
     def close(self) -> None:
         self.copier.close()
+        if self._private is not None:
+            self._private.close()
         self.storage.unregister_host_pool(self.host_pool)
 
 

@@ -19,6 +19,15 @@
   load in ``vllm serve``.
 
 Both return the leading run of blocks that are stored (saves) or verified in place (loads).
+
+Staging a peer can write. With Mooncake in the storage the staging ranges are registered, and
+Mooncake's transfer engine lets any peer of the cluster write registered memory. A check made
+on the staging then proves nothing about the bytes the next copy reads from it (before, a load
+checked the MAC there and the copy trusted the XXH3 it carried: no MAC). So such a route checks
+nothing in the staging: the store checks the header (``get_into(..., headers_out=...)``) and
+the payload is copied out first — into the device blocks of a CPU cache, into private host
+blocks (``PrivateBlocks``) on the way to any other device — and checked there, MAC included; a
+chain promotes the blocks it loaded from below only after that check (``promote``).
 """
 
 from __future__ import annotations
@@ -27,9 +36,12 @@ import threading
 
 import numpy as np
 
-from kvtier.memory.copier import BlockCopier
+from kvtier.errors import ObjectCorrupt
+from kvtier.memory.copier import BlockCopier, make_copier
+from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostPool
 from kvtier.storage.base import GoOn, StorageBackend
+from kvtier.storage.file_io import zero
 
 # ``GoOn``: called with where a task stands before device blocks are touched; raises
 # DeadlinePassed once its client may have given up (``kvtier.worker.deadline``).
@@ -46,10 +58,15 @@ class StagedRoute:
         storage: StorageBackend,
         staging: tuple[np.ndarray, np.ndarray],
         locks: tuple[threading.Lock, threading.Lock],
+        private: PrivateBlocks | None = None,
     ) -> None:
+        """``private``: where loads are checked on their way to a device whose blocks are not
+        host memory, when peers can write the staging (None: a CPU cache, checked in place)."""
         self.copier, self.host_pool, self.storage = copier, host_pool, storage
         self.save_staging, self.load_staging = staging
         self.save_lock, self.load_lock = locks
+        self.peers_write_staging = storage.exposes_registered_memory
+        self.private = private
 
     @property
     def load_step(self) -> int:
@@ -84,10 +101,33 @@ class StagedRoute:
         sums = np.zeros(ids.size, dtype=np.uint64)
         blocks = [self.host_pool.block(int(i)) for i in ids]
         with self.load_lock:
+            if self.peers_write_staging:
+                return self._fetch_unchecked(storage_keys, dev, ids, sums, go_on)
             fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums))
             self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
             go_on("after its transfer from the store, before the copy into its device blocks")
             return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched], checked=True)
+
+    def _fetch_unchecked(
+        self, storage_keys: list[str], dev: np.ndarray, ids: np.ndarray, sums, go_on: GoOn
+    ) -> tuple[int, np.ndarray]:
+        """``fetch`` where peers can write the staging: checked only once copied out of it."""
+        headers: list[bytes | None] = [None] * ids.size
+        blocks = [self.host_pool.block(int(i)) for i in ids]
+        fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums, headers))
+        go_on("after its transfer from the store, before the copy into its device blocks")
+        keys, dev = storage_keys[:fetched], dev[:fetched]
+        if self.private is None:  # a CPU cache: its blocks are private host memory
+            self.copier.swap_in(ids[:fetched], dev, checked=True)
+            pieces = self.copier.device_pieces(dev, checked=True)
+            good = check_copies(self.storage, keys, headers, pieces, zero)
+        else:
+            pieces = self.private.take(blocks[:fetched])
+            good = check_copies(self.storage, keys, headers, pieces)
+            self.private.swap_in(good, dev)
+        verified = leading_true(good)
+        self.storage.promote(keys[:verified], pieces[:verified])
+        return fetched, good
 
 
 class DirectRoute:
@@ -120,6 +160,49 @@ class DirectRoute:
         got = self.storage.get_into_scattered(storage_keys, pieces, go_on)  # and per object
         fetched = leading_true(got)
         return fetched, np.ones(fetched, dtype=bool)
+
+
+class PrivateBlocks:
+    """Host blocks of the worker's own that no peer of the store can write (never registered):
+    a load from a staging a peer can write is copied here and checked before it moves on to a
+    device whose blocks are not host memory (CUDA). As many blocks as the load staging."""
+
+    def __init__(self, device_cache: DeviceCache, staging: HostPool, num_blocks: int) -> None:
+        self.pool = HostPool(staging.spec, num_blocks, pin=staging.pinned)
+        self.copier = make_copier(device_cache, self.pool)
+
+    def take(self, blocks) -> list[list[memoryview]]:
+        """Copy ``blocks`` (host block tensors) in; each one's payload, as one piece."""
+        pieces = []
+        for j, block in enumerate(blocks):
+            mine = self.pool.block(j)
+            mine.copy_(block)
+            pieces.append([mine.numpy().data])
+        return pieces
+
+    def swap_in(self, good: np.ndarray, dev: np.ndarray) -> None:
+        """The blocks that passed their check into the device blocks ``dev`` (pairwise)."""
+        if good.any():
+            self.copier.swap_in(np.flatnonzero(good), dev[good], checked=True)
+
+    def close(self) -> None:
+        self.copier.close()
+
+
+def check_copies(storage: StorageBackend, keys, headers, pieces, scrub=None) -> np.ndarray:
+    """Check each copied payload against the header its ``get_into`` left (the MAC where
+    objects are authenticated); which passed. A payload that fails is ``scrub``bed (zeroed where
+    it lies in a device block: bytes that failed never stay there); the caller reports the
+    first one."""
+    good = np.zeros(len(keys), dtype=bool)
+    for j, key in enumerate(keys):
+        try:
+            storage.format.check_deferred(headers[j], key, pieces[j])
+            good[j] = True
+        except ObjectCorrupt:
+            if scrub is not None:
+                scrub(pieces[j])
+    return good
 
 
 def leading_true(flags) -> int:
