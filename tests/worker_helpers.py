@@ -44,6 +44,23 @@ class PeerWritableStore(HostBlocksOnlyStore):
     def __init__(self, spec, *, mac_key: bytes | None = None) -> None:
         super().__init__(spec, mac_key=mac_key)
         self.peer = None
+        self.peer_on_put = None  # the same, on each block a put is about to store
+
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
+        """As Mooncake's: the header made over ``originals``, the payload stored from the
+        (registered) host block, read after ``peer_on_put`` had its chance to write it."""
+        if originals is None:
+            return super().put_from(keys, host_blocks, checksums)
+        self._check_batch(keys, host_blocks, checksums)
+        for i, (key, host_block) in enumerate(zip(keys, host_blocks)):
+            if self.exists_prefix([key]):
+                continue
+            if self.peer_on_put is not None:
+                self.peer_on_put(key, host_block)
+            known = None if checksums is None else checksums[i]
+            header = self.format.header(key, originals[i], known)
+            self._store(key, header + host_block.numpy().tobytes(), sound=True)
+        return self._count_puts([True] * len(keys))
 
     def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
         got = super().get_into(keys, host_blocks, checksums_out, headers_out)

@@ -256,17 +256,25 @@ def test_mooncake_master_is_found_next_to_python_without_path() -> None:
     assert lines[0] == str(beside) and lines[1].startswith("started 127.0.0.1:")
 
 
+@pytest.mark.parametrize("authenticated", [False, True], ids=["plain", "mac"])
 def test_a_memory_tier_over_mooncake_serves_its_hits_directly_and_the_rest_from_the_cluster(
-    master, tmp_path
+    master, tmp_path, authenticated: bool
 ) -> None:
     """Two engines, each with a memory tier over one Mooncake cluster (real workers, CPU
     caches): B loads what A saved from the cluster (its memory tier has none of it) through
     its staging, in the same load as its memory hits (straight into the device blocks), every
-    byte A's; what came from the cluster is promoted, so B's next load is all memory hits."""
+    byte A's; what came from the cluster is promoted, so B's next load is all memory hits.
+    With a MAC key the staging is never trusted: A's writer MACs private copies, B checks
+    its loads in private blocks before they reach the device and promotes only then."""
     from kvtier.transport import tasks as t
     from worker_helpers import block, engine, hashes, same
 
     storage = {"tiers": [{"backend": "memory", "capacity_bytes": 32 << 20}, master.config(**SMALL)]}
+    if authenticated:
+        key = tmp_path / "mac.key"
+        key.write_text(os.urandom(32).hex())
+        key.chmod(0o600)
+        storage["mac_key_file"] = str(key)
     with (
         engine(tmp_path / "a", storage=storage) as (a, a_caches),
         engine(tmp_path / "b", storage=storage) as (b, b_caches),

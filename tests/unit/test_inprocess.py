@@ -35,7 +35,7 @@ from kvtier.worker.control_plane import Answer, ControlPlane
 from kvtier.worker.datapath import DataPath
 from kvtier.worker.gate import Gate, Refusal, WorkerState
 from kvtier.worker.resources import RankResources
-from kvtier.worker.routes import PrivateBlocks, StagedRoute
+from kvtier.worker.routes import StagedRoute
 from worker_helpers import (
     WSPEC,
     HostBlocksOnlyStore,
@@ -151,9 +151,9 @@ def _store_for(route: str):
     return (MemoryStore if route == "direct" else HostBlocksOnlyStore)(WSPEC)
 
 
-# peer-*: the store's peers can write the staging (Mooncake); peer-private: as on a CUDA
-# cache, loads are checked in private host blocks on their way to the device.
-@pytest.fixture(params=["direct", "staged", "mixed", "peer-staged", "peer-private", "peer-mixed"])
+# peer-*: the store's peers can write the staging (Mooncake): loads are checked and saves
+# MACed in private host blocks on their way.
+@pytest.fixture(params=["direct", "staged", "mixed", "peer-staged", "peer-mixed"])
 def datapath(request):
     layout = HostLayout(engine_blocks=8, staging_blocks=2)
     name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
@@ -169,11 +169,9 @@ def datapath(request):
         staged = path.route.rest if mixed else path.route
         if isinstance(staged, StagedRoute):
             assert staged.peers_write_staging == request.param.startswith("peer")
-        if request.param == "peer-private":  # what DataPath builds for a CUDA cache
-            staged.private = PrivateBlocks(cache, pool, layout.staging_blocks)
+        if isinstance(staged, StagedRoute):  # where peers write the staging: private blocks
+            assert (staged.private is not None) == staged.peers_write_staging
         yield path, cache, KeyScheme("m", WSPEC.fingerprint, 0, "v1")
-        if request.param == "peer-private":
-            staged.private.close()
         path.close()
 
 
@@ -381,6 +379,55 @@ def test_a_peer_writing_the_staging_never_gets_its_bytes_into_the_device_or_memo
     if chain:  # promoted: the two that passed, not the forged one
         assert store.tiers[0].exists_prefix(names) == 2
         assert store.tiers[0].exists_prefix(names[2:3]) == 0
+
+
+def test_a_peer_writing_the_save_staging_never_gets_its_bytes_stored_under_a_valid_mac(
+    datapath,
+) -> None:
+    """The other direction: a save reaches Mooncake through registered memory (the save
+    staging; a chain's writer ring). A peer that writes a block there before the transfer
+    reads it gets an object stored that fails its MAC — the checksum and MAC are made over the
+    device block (or a private copy), never over the registered block (before, the MAC was made
+    over the staging: it vouched for the peer's bytes). The load stops there."""
+    from unittest import mock
+
+    from kvtier.storage.format import ObjectFormat
+
+    path, cache, keys = datapath
+    chain = isinstance(path.storage, TieredStore)
+    staged = path.route.rest if chain else path.route
+    if not getattr(staged, "peers_write_staging", False):
+        pytest.skip("this store's staging is private memory")
+    store = path.storage
+    lower = store.tiers[1] if chain else store
+    h = hashes(5, seed=35)
+    names = keys.keys(h)
+    want = [block(cache, b) for b in range(5)]
+    lower.peer_on_put = lambda key, host_block: key == names[2] and host_block.fill_(0xAB)
+    registered = [path.host_pool.block(int(i)).data_ptr() for i in path.layout.save_staging]
+    if chain:
+        ring = store.writer._ring
+        registered += [ring.block(i).data_ptr() for i in range(ring.num_blocks)]
+    made: list[int] = []
+    mac = ObjectFormat._mac
+
+    def spy(fmt, body, key, payload):
+        made.extend(_addresses(payload))
+        return mac(fmt, body, key, payload)
+
+    with mock.patch.object(ObjectFormat, "_mac", autospec=True, side_effect=spy):
+        saved = path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
+        assert saved.blocks == [0, 1, 2, 3, 4]
+        if chain:
+            assert store.writer.flush(30) == 0
+    assert made and not [a for a in made for r in registered if r <= a < r + WSPEC.block_bytes]
+    if chain:
+        store.tiers[0].delete(names)  # every block from below
+    loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
+    assert loaded.blocks == [20, 21]
+    assert all(same(block(cache, 20 + i), want[i]) for i in range(2))
+    assert not any(torch.all(piece == 0xAB) for piece in block(cache, 22))
+    assert store.stats.corrupt == 1
 
 
 def test_a_host_load_through_staging_a_peer_can_write_is_checked_in_the_engines_block() -> None:

@@ -130,9 +130,6 @@ class ArenaStore(StorageBackend):
                 self._pins[slot] += 1
             return slot
 
-    def _unpin(self, slot: int) -> None:
-        self._unpin_all([(None, slot)])
-
     def _parse(self, key: str, slot: int) -> Header:
         """The header fields of ``key``'s object in ``slot`` (ObjectCorrupt if unsound)."""
         cached = self._fields[slot]
@@ -242,7 +239,7 @@ class ArenaStore(StorageBackend):
             try:
                 found.append((i, slot, self._parse(keys[i], slot)))
             except ObjectCorrupt as e:
-                self._unpin(slot)
+                self._unpin_all([(None, slot)])
                 self._bad(keys[i], e)
                 if prefix:
                     self._unpin_all(pinned[n + 1 :])
@@ -268,8 +265,10 @@ class ArenaStore(StorageBackend):
         payloads = [self._payloads[slot] for _, slot, _ in found]
         copy_scattered(payloads, targets, to_pieces=True, hashes=hashes)
 
-    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
+        if originals is not None:  # the same bytes where no peer can write them
+            return self.put_from_scattered(keys, originals)
         for i, (key, block) in enumerate(zip(keys, host_blocks)):
             if self._header_ok(key):
                 continue  # immutable: the stored object stays (a corrupt one is replaced)
@@ -318,7 +317,7 @@ class ArenaStore(StorageBackend):
         try:
             return bytes(self._object(slot)[: self._lengths[slot]])
         finally:
-            self._unpin(slot)
+            self._unpin_all([(None, slot)])
 
     def write_object(self, key: str, data: bytes) -> None:
         if len(data) > self.object_bytes:

@@ -32,6 +32,12 @@ Contract (implementations do not repeat it):
   lies with ``format.check_deferred`` (the MAC; the checksum where objects are not
   authenticated). A tier chain then promotes nothing itself: the caller calls
   ``promote(keys, sources)`` with the verified bytes (``kvtier.worker.routes``).
+  Saves likewise: ``put_from(..., originals=...)`` names, per key, the same payload where no
+  peer can write it (pieces, in order: a CPU device block, a private host block). The object's
+  checksum and MAC are made over the originals, never over the registered block, and a backend
+  that copies the payload anyway copies it from them; only a transfer that needs registered
+  memory (Mooncake's) reads the host block. A peer that writes it meanwhile makes an object
+  that fails its checks — a miss later, never its bytes under a valid MAC.
 - ``get_into_scattered(keys, targets)`` (backends with ``supports_scattered_reads``): like
   ``get_into``, but each key's payload lands in ``targets[i]``, a list of writable buffers
   filled in order (a CPU device block's per-layer pieces): one copy from storage straight into
@@ -216,9 +222,11 @@ class StorageBackend(ABC):
         keys: Sequence[str],
         host_blocks: Sequence[torch.Tensor],
         checksums: Sequence[int | None] | None = None,
+        originals: Sequence[Sequence[memoryview]] | None = None,
     ) -> list[bool]:
         """Store ``host_blocks[i]`` under ``keys[i]`` (``checksums[i]``: its XXH3-64 when the
-        caller knows it); one bool per key, True iff the object is now stored (an existing key
+        caller knows it; ``originals[i]``: the same bytes where no peer can write them, see the
+        module docstring); one bool per key, True iff the object is now stored (an existing key
         is kept as it is). A failed or interrupted put is never visible to readers."""
 
     def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None:  # noqa: B027

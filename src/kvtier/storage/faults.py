@@ -105,7 +105,7 @@ class FaultInjectingStore(StorageBackend):
                     self.injected["get_error"] += 1
         return results
 
-    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
         self._enter("put_from")
         fail = [self._roll(self.config.error_rate) for _ in keys]
@@ -114,6 +114,7 @@ class FaultInjectingStore(StorageBackend):
             [keys[i] for i in chosen],
             [host_blocks[i] for i in chosen],
             None if checksums is None else [checksums[i] for i in chosen],
+            None if originals is None else [originals[i] for i in chosen],
         )
         return self._merge_puts(keys, fail, chosen, stored)
 

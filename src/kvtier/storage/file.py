@@ -133,8 +133,10 @@ class FileStore(StorageBackend):
         self._evict_if_needed()
         return results
 
-    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
+        if originals is not None:  # the same bytes where no peer can write them
+            return self.put_from_scattered(keys, originals)
         fn = functools.partial(self._put_one, checksums=checksums)
         # Large batches are written by ``io_threads`` threads (one thread reached half the
         # rate of a raw write with as many threads), at the priority of the thread that made

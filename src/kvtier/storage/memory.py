@@ -143,8 +143,10 @@ class MemoryStore(StorageBackend):
             self._store(key, header + payload, sound=True)
         return self._count_puts([True] * len(keys))
 
-    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
+        if originals is not None:  # the same bytes where no peer can write them
+            return self.put_from_scattered(keys, originals)
         for i, (key, block) in enumerate(zip(keys, host_blocks)):
             if self._header_ok(key):
                 continue  # immutable: the stored object stays (a corrupt one is replaced)

@@ -185,7 +185,7 @@ class MooncakeStore(StorageBackend):
                 return n
         return len(keys)
 
-    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
         if not keys:
             return []
@@ -193,10 +193,10 @@ class MooncakeStore(StorageBackend):
         self._guard()
 
         def prepare(chunk: range) -> None:
-            for i in chunk:
-                payload = host_blocks[i].numpy()
+            for i in chunk:  # checksum and MAC over bytes no peer can write, where given
+                payload = [host_blocks[i].numpy()] if originals is None else originals[i]
                 known = checksums[i] if checksums is not None else None
-                header = self.format.header(keys[i], [payload], known)
+                header = self.format.header(keys[i], payload, known)
                 slots[i][0].data.cast("B")[:] = header
 
         def transfer(chunk: range) -> list[int]:

@@ -12,6 +12,11 @@ tiers do not hold yet is *dirty*. ``LowerWriter`` writes dirty objects down, fro
   it from the top tier with ``get_into`` straight into its ring (no copy of the bytes between,
   and the top tier's own objects skip the MAC there, as its loads do), so a bad object in the
   top tier never reaches a lower one and is removed from the top tier as a load would.
+- A lower tier whose peers can write its registered memory (Mooncake), with objects
+  authenticated, gets the objects from a ring registered with it, but its checksum and MAC
+  are made over a private copy (``put_from``'s ``originals``): the writer reads and checks
+  each object in its private ring and copies it on into the registered one. A peer that
+  writes the registered ring makes an object that fails its checks, never one its bytes pass.
 - A lower tier that raises ``StorageUnavailable`` is skipped for ``DOWN_S`` (``TierHealth``):
   what it was to get is counted in ``write_failures``, and the top tier keeps serving.
 """
@@ -99,6 +104,9 @@ class LowerWriter:
         self._ring = HostPool(top.spec, WRITE_BATCH)
         for tier in self.lower:
             tier.register_host_pool(self._ring)
+        self._private: HostPool | None = None  # where objects are read and checked
+        if top.format.authenticated and any(t.exposes_registered_memory for t in self.lower):
+            self._private = HostPool(top.spec, WRITE_BATCH)
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-writer", daemon=True)
         self._thread.start()
 
@@ -170,6 +178,8 @@ class LowerWriter:
         for tier in self.lower:
             tier.unregister_host_pool(self._ring)
         self._ring.close()
+        if self._private is not None:
+            self._private.close()
 
     # ---- the thread -------------------------------------------------------------------------
 
@@ -200,8 +210,9 @@ class LowerWriter:
         done: dict[str, bool] = {}
         # Still in the top tier: read straight into the ring, checked there (no copy in between,
         # and the top tier's own objects skip the MAC, as its loads do).
+        read_into = self._ring if self._private is None else self._private
         from_top = [key for key, data in batch if data is None]
-        got = self.top.get_into(from_top, [self._ring.block(i) for i in range(len(from_top))])
+        got = self.top.get_into(from_top, [read_into.block(i) for i in range(len(from_top))])
         self.top.stats.add(hits=-sum(got), misses=sum(got) - len(got))  # not the engine's reads
         for slot, (key, read) in enumerate(zip(from_top, got)):
             if read:
@@ -214,7 +225,7 @@ class LowerWriter:
         for slot, (key, data) in enumerate(
             [(k, d) for k, d in batch if d is not None], start=len(from_top)
         ):
-            block = self._ring.block(slot)
+            block = read_into.block(slot)
             payload = memoryview(data)[HEADER_BYTES:]
             try:
                 self.top.format.check(data[:HEADER_BYTES], [payload], key, block.numel())
@@ -225,7 +236,7 @@ class LowerWriter:
             block.numpy()[:] = payload
             keys.append(key)
             slots.append(slot)
-        blocks = [self._ring.block(slot) for slot in slots]
+        blocks, originals = self._into_ring(slots)
         stored = [True] * len(keys)
         for level, tier in enumerate(self.lower, start=1):
             if not keys:
@@ -234,13 +245,24 @@ class LowerWriter:
                 stored = [False] * len(keys)
                 continue
             try:
-                ok = tier.put_from(keys, blocks)
+                ok = tier.put_from(keys, blocks, None, originals)
             except StorageUnavailable as e:
                 self.health.down(level, e)
                 ok = [False] * len(keys)
             stored = [a and b for a, b in zip(stored, ok)]
         done.update(zip(keys, stored))
         return done
+
+    def _into_ring(self, slots: list[int]) -> tuple[list, list | None]:
+        """The ring's blocks of ``slots``, and where they were copied from the private ring,
+        those private blocks (the originals their checksum and MAC are made over)."""
+        blocks = [self._ring.block(slot) for slot in slots]
+        if self._private is None:
+            return blocks, None
+        originals = [self._private.block(slot) for slot in slots]
+        for block, mine in zip(blocks, originals):
+            block.copy_(mine)
+        return blocks, [[mine.numpy().data] for mine in originals]
 
     def _finish(self, done: dict[str, bool]) -> None:
         with self._cond:

@@ -222,9 +222,9 @@ class TieredStore(StorageBackend):
             return results
         return self._count(results)
 
-    def put_from(self, keys, host_blocks, checksums=None) -> list[bool]:
+    def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
-        return self._put(keys, "put_from", host_blocks, checksums)
+        return self._put(keys, "put_from", host_blocks, checksums, originals)
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)

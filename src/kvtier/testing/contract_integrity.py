@@ -173,6 +173,26 @@ class IntegrityContract(ContractBase):
         with pytest.raises(ObjectCorrupt, match="checksum mismatch"):
             store.format.check_deferred(headers[0], plain[0], [targets[0].numpy().data])
 
+    def test_a_put_makes_its_checks_over_the_originals(self, store, pool) -> None:
+        """``originals``: the payload where no peer can write it, beside the registered block
+        a peer wrote after the copy. The object's checksum and MAC come from the originals, so
+        the peer's bytes are never served: a store that copies the payload from the originals
+        serves them; one whose transfer reads the registered block (Mooncake) stores an object
+        that fails its checks."""
+        with authenticated(store, MAC_KEY):
+            keys = make_keys(2)
+            originals = [expected_block(k, CONTRACT_SPEC.block_bytes) for k in keys]
+            blocks = [pool.block(i) for i in range(2)]
+            for block, original in zip(blocks, originals):
+                block.copy_(original)
+            blocks[1][100] ^= 0x20  # the peer's write, after the copy
+            views = [[o.numpy().data] for o in originals]
+            assert store.put_from(keys, blocks, None, views) == [True, True]
+            got = self.get(store, pool, keys)  # checks the bytes of what it loads
+            assert got[0]
+            if not got[1]:
+                assert store.stats.corrupt >= 1 and store.exists_prefix(keys) == 1
+
     # ---- authenticated objects (storage.mac_key_file) ---------------------------------------
 
     def test_a_forged_object_loads_unless_objects_are_authenticated(self, store, pool) -> None:

@@ -58,6 +58,7 @@ from kvtier.worker.routes import (
     PrivateBlocks,
     StagedRoute,
     check_copies,
+    guards_staging,
     leading_true,
 )
 
@@ -101,9 +102,12 @@ class DataPath:
         self._save_lock = threading.Lock()  # the save staging range (save, staged save_host)
         self._load_lock = threading.Lock()  # the load staging range (load, staged load_host)
         self._staged_host_io = storage.exposes_registered_memory
-        self._private: PrivateBlocks | None = None
-        if self._staged_host_io and not self.copier.direct_device_access:
-            self._private = PrivateBlocks(device_cache, host_pool, layout.staging_blocks)
+        self._private: tuple[PrivateBlocks, PrivateBlocks] | None = None
+        if guards_staging(storage):  # checked and MACed there (kvtier.worker.routes)
+            self._private = (
+                PrivateBlocks(device_cache, host_pool, layout.staging_blocks),
+                PrivateBlocks(device_cache, host_pool, layout.staging_blocks),
+            )
         staged = StagedRoute(
             self.copier,
             host_pool,
@@ -264,10 +268,15 @@ class DataPath:
     def _put_host_blocks(
         self, storage_keys: list[str], host: np.ndarray, copied_from: np.ndarray | None = None
     ) -> list[bool]:
-        """Put host blocks; their recorded checksums are those of ``copied_from`` when given."""
+        """Put host blocks. ``copied_from``: the engine's host blocks they are copies of (in
+        the staging, which peers can write): their recorded checksums, and the originals the
+        store makes checksum and MAC over."""
         blocks = [self.host_pool.block(int(i)) for i in host]
-        sums = self.host_pool.known_checksums(host if copied_from is None else copied_from)
-        return self.storage.put_from(storage_keys, blocks, sums)
+        if copied_from is None:
+            return self.storage.put_from(storage_keys, blocks, self.host_pool.known_checksums(host))
+        sums = self.host_pool.known_checksums(copied_from)
+        originals = [[self.host_pool.block(int(i)).numpy().data] for i in copied_from]
+        return self.storage.put_from(storage_keys, blocks, sums, originals)
 
     def _get_host_blocks(self, storage_keys: list[str], host: np.ndarray) -> list[bool]:
         return self.storage.get_into(storage_keys, [self.host_pool.block(int(i)) for i in host])
@@ -306,7 +315,7 @@ class DataPath:
                 for block, mine in zip(blocks, landed):
                     mine.copy_(block)
             pieces = [[b.numpy().data] for b in landed]
-            good = check_copies(self.storage, keys, headers, pieces, zero).tolist()
+            good = check_copies(self.storage, keys, headers, pieces, scrub=zero).tolist()
             verified = leading_true(good)
             if verified < fetched:
                 self.storage.report_corrupt(keys[verified], CHECK_FAILED)
@@ -318,8 +327,8 @@ class DataPath:
 
     def close(self) -> None:
         self.copier.close()
-        if self._private is not None:
-            self._private.close()
+        for private in self._private or ():
+            private.close()
         self.storage.unregister_host_pool(self.host_pool)
 
 
