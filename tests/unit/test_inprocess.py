@@ -6,6 +6,7 @@ Fast (no process start): the process tests stay for what only processes show.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -327,8 +328,40 @@ def test_a_task_past_its_cutoff_leaves_its_device_blocks_alone_on_either_route(d
     assert all(same(block(cache, 20 + i), before[i]) for i in range(4))
 
 
-def _addresses(views) -> list[int]:
-    return [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views]
+@contextlib.contextmanager
+def _macs_over(blocks: list[int]):
+    """Yields the list of MAC computations (made or checked) over memory inside any of the
+    blocks starting at ``blocks`` (addresses), gathered until the block exits, and how many
+    MACs were computed at all."""
+    from unittest import mock
+
+    from kvtier.storage.format import ObjectFormat
+
+    inside: list[int] = []
+    counted = [0]
+    mac = ObjectFormat._mac
+
+    def spy(fmt, body, key, payload):
+        counted[0] += 1
+        for view in payload:
+            address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+            inside.extend(a for a in blocks if a <= address < a + WSPEC.block_bytes)
+        return mac(fmt, body, key, payload)
+
+    with mock.patch.object(ObjectFormat, "_mac", autospec=True, side_effect=spy):
+        yield inside, counted
+
+
+def _peer_store(datapath):
+    """(path, cache, keys, the chain or store, the tier whose staging peers write), or a skip
+    where the staging is private."""
+    path, cache, keys = datapath
+    chain = isinstance(path.storage, TieredStore)
+    staged = path.route.rest if chain else path.route
+    if not getattr(staged, "peers_write_staging", False):
+        pytest.skip("this store's staging is private memory")
+    store = path.storage
+    return path, cache, keys, store, store.tiers[1] if chain else store
 
 
 def test_a_peer_writing_the_staging_never_gets_its_bytes_into_the_device_or_memory(
@@ -341,41 +374,24 @@ def test_a_peer_writing_the_staging_never_gets_its_bytes_into_the_device_or_memo
     MAC was checked in the staging and the copy that followed trusted an XXH3, no MAC); the
     block that fails is scrubbed, counted and removed, the blocks before it load, and a chain
     promotes only those."""
-    from unittest import mock
-
-    from kvtier.storage.format import ObjectFormat
-
-    path, cache, keys = datapath
-    chain = isinstance(path.storage, TieredStore)
-    staged = path.route.rest if chain else path.route
-    if not getattr(staged, "peers_write_staging", False):
-        pytest.skip("this store's staging is private memory")
+    path, cache, keys, store, lower = _peer_store(datapath)
+    chain = store is not lower
     h = hashes(5, seed=31)
     names = keys.keys(h)
     want = [block(cache, b) for b in range(5)]
     assert path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys).blocks
-    store = path.storage
-    lower = store.tiers[1] if chain else store
     if chain:
         assert store.writer.flush(30) == 0
         store.tiers[0].delete(names)  # every block from the cluster, through the staging
     lower.peer = lambda key, host_block: key == names[2] and host_block.fill_(0xAB)
     staging = [path.host_pool.block(int(i)).data_ptr() for i in path.layout.load_staging]
-    low, high = min(staging), max(staging) + WSPEC.block_bytes
-    checked: list[int] = []
-    mac = ObjectFormat._mac
-
-    def spy(fmt, body, key, payload):
-        checked.extend(_addresses(payload))
-        return mac(fmt, body, key, payload)
-
-    with mock.patch.object(ObjectFormat, "_mac", autospec=True, side_effect=spy):
+    with _macs_over(staging) as (in_staging, macs):
         loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)
     assert loaded.status is t.Status.PARTIAL and loaded.blocks == [20, 21]
     assert all(same(block(cache, 20 + i), want[i]) for i in range(2))
     assert not any(torch.all(piece == 0xAB) for piece in block(cache, 22))
     assert store.stats.corrupt == 1 and store.exists_prefix(names) == 2
-    assert checked and not [a for a in checked if low <= a < high]
+    assert macs[0] and not in_staging
     if chain:  # promoted: the two that passed, not the forged one
         assert store.tiers[0].exists_prefix(names) == 2
         assert store.tiers[0].exists_prefix(names[2:3]) == 0
@@ -389,17 +405,8 @@ def test_a_peer_writing_the_save_staging_never_gets_its_bytes_stored_under_a_val
     reads it gets an object stored that fails its MAC — the checksum and MAC are made over the
     device block (or a private copy), never over the registered block (before, the MAC was made
     over the staging: it vouched for the peer's bytes). The load stops there."""
-    from unittest import mock
-
-    from kvtier.storage.format import ObjectFormat
-
-    path, cache, keys = datapath
-    chain = isinstance(path.storage, TieredStore)
-    staged = path.route.rest if chain else path.route
-    if not getattr(staged, "peers_write_staging", False):
-        pytest.skip("this store's staging is private memory")
-    store = path.storage
-    lower = store.tiers[1] if chain else store
+    path, cache, keys, store, lower = _peer_store(datapath)
+    chain = store is not lower
     h = hashes(5, seed=35)
     names = keys.keys(h)
     want = [block(cache, b) for b in range(5)]
@@ -408,19 +415,12 @@ def test_a_peer_writing_the_save_staging_never_gets_its_bytes_stored_under_a_val
     if chain:
         ring = store.writer._ring
         registered += [ring.block(i).data_ptr() for i in range(ring.num_blocks)]
-    made: list[int] = []
-    mac = ObjectFormat._mac
-
-    def spy(fmt, body, key, payload):
-        made.extend(_addresses(payload))
-        return mac(fmt, body, key, payload)
-
-    with mock.patch.object(ObjectFormat, "_mac", autospec=True, side_effect=spy):
+    with _macs_over(registered) as (in_registered, macs):
         saved = path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3, 4]), keys)
         assert saved.blocks == [0, 1, 2, 3, 4]
         if chain:
             assert store.writer.flush(30) == 0
-    assert made and not [a for a in made for r in registered if r <= a < r + WSPEC.block_bytes]
+    assert macs[0] and not in_registered
     if chain:
         store.tiers[0].delete(names)  # every block from below
     loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23, 24]), keys)

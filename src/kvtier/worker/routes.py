@@ -73,7 +73,7 @@ class StagedRoute:
         self.copier, self.host_pool, self.storage = copier, host_pool, storage
         self.save_staging, self.load_staging = staging
         self.save_lock, self.load_lock = locks
-        self.peers_write_staging = private is not None
+        self.peers_write_staging = private is not None  # and checks there would count
         self.private_save: PrivateBlocks | None = None
         self.private: PrivateBlocks | None = None
         if private is not None:
@@ -103,21 +103,22 @@ class StagedRoute:
 
     def _stage(self, dev: np.ndarray, ids: np.ndarray, blocks) -> tuple[list, list | None]:
         """Copy ``dev``'s blocks into the save staging blocks ``ids`` (hashed on the way); their
-        checksums and, where peers can write the staging, the originals the store makes the
-        checksum and MAC over: a CPU cache's blocks, or private host blocks on the way."""
+        checksums and, where the staging is not trusted, the originals the store makes the
+        checksum and MAC over: the private blocks the copy went through."""
         if self.private_save is None:
             self.copier.swap_out(dev, ids, checksum=True, checked=True)
             return self.host_pool.known_checksums(ids), None
         sums, originals = self.private_save.take_from_device(dev)
-        for block, mine in zip(blocks, originals):
-            block.numpy()[:] = np.frombuffer(mine[0], dtype=np.uint8)
+        for j, block in enumerate(blocks):
+            block.copy_(self.private_save.pool.block(j))
         return sums, originals
 
     def fetch(
         self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn
     ) -> tuple[int, np.ndarray]:
-        """Into the load staging, then verified inside the host->device copy. Returns
-        (objects fetched, per fetched block: copied to the device)."""
+        """Into the load staging, then verified inside the host->device copy (or, where the
+        staging is not trusted, in private blocks first). Returns (objects fetched, per
+        fetched block: copied to the device)."""
         ids = self.load_staging[: dev.size]
         sums = np.zeros(ids.size, dtype=np.uint64)
         blocks = [self.host_pool.block(int(i)) for i in ids]
