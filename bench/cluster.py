@@ -52,6 +52,8 @@ SAVE_SETTLE_S = 1.0  # A's saves are answered off its critical path; B looks the
 # busy_loop_s): a server timed right after another one ran on shared cores pays for its spin.
 SPIN_SETTLE_S = 1.5
 COUNTERS = {
+    "found_tokens": "vllm:kvtier_found_tokens_total",
+    "declined_tokens": "vllm:kvtier_declined_tokens_total",
     "loaded_tokens": "vllm:kvtier_loaded_tokens_total",
     "failed_tokens": "vllm:kvtier_failed_tokens_total",
     "load_bytes": "vllm:kvtier_load_bytes_total",
