@@ -60,6 +60,11 @@ COUNTERS = {
     "load_microseconds": "vllm:kvtier_load_microseconds_total",
 }
 
+A_COUNTERS = {
+    "saved_tokens": "vllm:kvtier_saved_tokens_total",
+    "unsaved_tokens": "vllm:kvtier_unsaved_tokens_total",
+}
+
 
 @dataclass
 class Cluster:
@@ -157,9 +162,14 @@ def measured(srv: Server, work: list[load.Session], concurrency: int, output: in
 def shared_round(args, a: Server, b: Server, r: int) -> dict[str, Any]:
     shared, alone = sessions(100 + r, args), sessions(200 + r, args)
     a.reset_prefix_cache()
+    before = a.metrics()
     reference = [rec.tokens for rec in load.run(a, shared, 1, args.output_tokens)]
     time.sleep(SAVE_SETTLE_S)
-    out: dict[str, Any] = {}
+    after = a.metrics()
+    out: dict[str, Any] = {  # what A saved, and left unsaved (load_or_recompute's estimates)
+        f"a_{name}": after.get(metric, 0) - before.get(metric, 0)
+        for name, metric in A_COUNTERS.items()
+    }
     for which in ("shared", "alone") if r % 2 == 0 else ("alone", "shared"):
         work = shared if which == "shared" else alone
         out[which] = measured(b, work, args.concurrency, args.output_tokens)
