@@ -186,6 +186,8 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
                 "goal": goal,
                 "rounds": len(values),
                 "identical_rounds": same,
+                # 1-minute load average at the end of the workload, per round (each side)
+                "load_average": [[p["load_average"], k["load_average"]] for p, k in pairs],
             }
             for extra in EXTRA:
                 got = [
