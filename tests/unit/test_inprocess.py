@@ -174,6 +174,8 @@ def datapath(request):
             assert (staged.private is not None) == staged.peers_write_staging
         yield path, cache, KeyScheme("m", WSPEC.fingerprint, 0, "v1")
         path.close()
+        for private in getattr(staged, "private", None), getattr(staged, "private_save", None):
+            assert private is None or private.pool.flat.numel() == 0  # freed with the path
 
 
 def test_a_chain_loads_its_top_tiers_blocks_directly_and_the_rest_through_staging() -> None:

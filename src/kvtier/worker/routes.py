@@ -218,6 +218,7 @@ class PrivateBlocks:
 
     def close(self) -> None:
         self.copier.close()
+        self.pool.close()
 
 
 def check_copies(
