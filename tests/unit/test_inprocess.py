@@ -215,6 +215,35 @@ def test_a_chain_loads_its_top_tiers_blocks_directly_and_the_rest_through_stagin
         path.close()
 
 
+def test_a_block_bad_in_memory_but_sound_below_leaves_no_mark_that_drops_others_later() -> None:
+    """Memory over a tier below: the memory tier's copy of block 1 fails its check, so the
+    load reads it from below (every byte right). The memory tier's "found corrupt" mark for it
+    is stale then; before, it stayed, and a later load that stopped at block 1 for a plain miss
+    took it for a bad object and deleted the sound objects after it."""
+    layout = HostLayout(engine_blocks=8, staging_blocks=2)
+    name = cache_name(f"dp{uuid.uuid4().hex[:8]}", 0)
+    store = _store_for("mixed")
+    with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
+        fill_random(cache, 4)
+        path, h = DataPath(cache, pool, layout, store), hashes(4, seed=41)
+        keys = KeyScheme("m", WSPEC.fingerprint, 0, "v1")
+        names = keys.keys(h)
+        want = [block(cache, b) for b in range(4)]
+        assert path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2, 3]), keys).blocks
+        assert store.writer is not None and store.writer.flush(30) == 0
+        data = bytearray(store.tiers[0].read_object(names[1]))
+        data[HEADER_BYTES + 9] ^= 0x04
+        store.tiers[0].write_object(names[1], bytes(data))
+        loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22, 23]), keys)
+        assert loaded.status is t.Status.OK
+        assert all(same(block(cache, 20 + i), want[i]) for i in range(4))
+        store.delete(names[1:2])  # now a plain hole
+        hole = path.run(t.Load(block_hashes=h, device_block_ids=[24, 25, 26, 27]), keys)
+        assert hole.blocks == [24]
+        assert store.tiers[1].exists_prefix(names[2:]) == 2  # the sound ones after it stay
+        path.close()
+
+
 def test_datapath_saves_and_loads_real_bytes_on_either_route(datapath) -> None:
     """Through staging (2 blocks: several steps) or straight into the device blocks."""
     path, cache, keys = datapath

@@ -207,6 +207,7 @@ class TieredStore(StorageBackend):
                 run = got.index(False) if False in got else len(got)
                 if run:
                     if level > 0:  # verified bytes: the top tier hashes them itself
+                        _sound_below(self, level, keys[start : start + run])
                         self._promote(
                             "put_from_scattered",
                             keys[start : start + run],
@@ -333,6 +334,15 @@ class TieredStore(StorageBackend):
             tier.close()
 
 
+def _sound_below(chain: TieredStore, level: int, keys) -> None:
+    """``keys`` loaded from tier ``level``: a tier above that found its own copy bad marked
+    them (``found_corrupt``); the load went on from here, so the marks are stale — left, a
+    later load stopping at such a key for a plain miss would drop the sound objects after it."""
+    for upper in chain.tiers[:level]:
+        for key in keys:
+            upper.found_corrupt(key)  # asking forgets
+
+
 def _get_from(chain, level, tier, keys, host_blocks, todo, checksums_out, headers_out) -> list[int]:
     """``tier.get_into`` of the blocks ``todo``; the ones it loaded (their checksums and
     headers copied out where asked for). A tier that is down loads none."""
@@ -348,6 +358,7 @@ def _get_from(chain, level, tier, keys, host_blocks, todo, checksums_out, header
         default=[False] * len(todo),
     )
     loaded = [i for i, ok in zip(todo, got) if ok]
+    _sound_below(chain, level, [keys[i] for i in loaded])
     for j, (i, ok) in enumerate(zip(todo, got)):
         if ok and sums is not None:
             checksums_out[i] = sums[j]
