@@ -107,6 +107,8 @@ class FaultInjectingStore(StorageBackend):
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
+        if originals is not None:
+            self._check_scattered(keys, originals)
         self._enter("put_from")
         fail = [self._roll(self.config.error_rate) for _ in keys]
         chosen = [i for i, f in enumerate(fail) if not f]

@@ -187,6 +187,8 @@ class MooncakeStore(StorageBackend):
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)
+        if originals is not None:
+            self._check_scattered(keys, originals)
         if not keys:
             return []
         slots = self._slots(host_blocks)

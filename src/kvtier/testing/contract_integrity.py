@@ -192,6 +192,8 @@ class IntegrityContract(ContractBase):
             assert got[0]
             if not got[1]:
                 assert store.stats.corrupt >= 1 and store.exists_prefix(keys) == 1
+            with pytest.raises(StorageError, match="2 keys but 1 targets"):
+                store.put_from(make_keys(2), blocks, None, views[:1])
 
     # ---- authenticated objects (storage.mac_key_file) ---------------------------------------
 
