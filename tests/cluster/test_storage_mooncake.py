@@ -295,3 +295,73 @@ def test_a_memory_tier_over_mooncake_serves_its_hits_directly_and_the_rest_from_
         assert b.load(h, [20, 21, 22, 23, 24, 25]).blocks == [20, 21, 22, 23, 24, 25]
         for a_cache, b_cache in zip(a_caches, b_caches):
             assert all(same(block(b_cache, 20 + i), block(a_cache, i)) for i in range(6))
+
+
+# A peer of the cluster: its own transfer engine, knowing only the metadata server, a segment
+# name and an address, writes 4 KiB of 0xAB there (Mooncake serves it: no authentication).
+_PEER_WRITE = """
+import ctypes, sys
+from mooncake.engine import TransferEngine
+metadata, segment, address = sys.argv[1], sys.argv[2], int(sys.argv[3])
+engine = TransferEngine()
+assert engine.initialize("127.0.0.1", metadata, "tcp", "") == 0
+buffer = engine.allocate_managed_buffer(4096)
+ctypes.memset(buffer, 0xAB, 4096)
+assert engine.transfer_sync_write(segment, buffer, address, 4096) == 0
+"""
+
+
+def test_a_peer_writing_a_workers_staging_gets_none_of_its_bytes_in(master, tmp_path) -> None:
+    """The attack with real parts: another Mooncake transfer engine writes into a worker's
+    registered load staging right after the store fetched objects there (and checked their
+    headers), before the worker copies them on. With a MAC key the worker checks each payload
+    only once it is out of the staging, in memory no peer can reach: the load stops at the
+    written block and its device block never holds the peer's bytes; a host load zeroes its
+    host block. (Before stop 49 a host load took the peer's bytes as the stored ones.)"""
+    import numpy as np
+
+    from conftest import fill_random
+    from kvtier.layout.keys import KeyScheme
+    from kvtier.memory.device import DeviceCache, cache_name
+    from kvtier.memory.host import HostLayout
+    from kvtier.transport import tasks as t
+    from kvtier.worker.datapath import DataPath
+    from worker_helpers import WSPEC, block, hashes, same
+
+    key = tmp_path / "mac.key"
+    key.write_text(os.urandom(32).hex())
+    key.chmod(0o600)
+    store = make_backend(WSPEC, {**master.config(**SMALL), "mac_key_file": str(key)})
+    layout = HostLayout(engine_blocks=8, staging_blocks=4)
+    name = cache_name(f"atk{os.getpid()}", 0)
+    with DeviceCache.create(WSPEC, name) as cache, HostPool(WSPEC, layout.total_blocks) as pool:
+        fill_random(cache, 5)
+        path, keys = DataPath(cache, pool, layout, store), KeyScheme("a", WSPEC.fingerprint, 0, "")
+        target = pool.block(int(layout.load_staging[1])).data_ptr()
+        get_into, attacks = store.get_into, []
+
+        def fetched_then_written(*args):
+            got = get_into(*args)
+            peer = [master.metadata_server, store._store.get_hostname(), str(target)]
+            done = subprocess.run([sys.executable, "-c", _PEER_WRITE, *peer], timeout=60)
+            attacks.append(done.returncode)
+            return got
+
+        h = hashes(3, seed=43)
+        want = [block(cache, b) for b in range(3)]
+        assert path.run(t.Save(block_hashes=h, device_block_ids=[0, 1, 2]), keys).blocks
+        for i in range(3):
+            pool.block(i).copy_(torch.from_numpy(np.full(WSPEC.block_bytes, 40 + i, np.uint8)))
+        hosted = hashes(3, seed=44)
+        assert path.run(t.SaveHost(block_hashes=hosted, host_block_ids=[0, 1, 2]), keys).blocks
+        store.get_into = fetched_then_written
+        loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22]), keys)
+        host = path.run(t.LoadHost(block_hashes=hosted, host_block_ids=[4, 5, 6]), keys)
+        store.get_into = get_into
+        assert attacks == [0, 0]  # the peer's writes went through both times
+        assert loaded.blocks == [20] and same(block(cache, 20), want[0])
+        assert not any(torch.all(piece[:64] == 0xAB) for piece in block(cache, 21))
+        assert host.blocks == [4] and not torch.any(pool.block(5))
+        assert store.stats.corrupt == 2
+        path.close()
+    store.close()
