@@ -63,6 +63,7 @@ COUNTERS = {
 A_COUNTERS = {
     "saved_tokens": "vllm:kvtier_saved_tokens_total",
     "unsaved_tokens": "vllm:kvtier_unsaved_tokens_total",
+    "save_failures": "vllm:kvtier_save_failures_total",
 }
 
 

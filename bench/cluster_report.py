@@ -64,11 +64,11 @@ def rows_of(shared: list[dict], pd: list[dict], raw: dict[str, float]) -> list[d
             if shared
             else None,
             "failed_tokens": sum(r["shared"]["failed_tokens"] for r in shared),
-            # Below 100 %: found but declined (the load estimated slower than recompute), or
-            # not found (A's saves not all stored when B looked: SAVE_SETTLE_S).
+            # Below 100 %: B declined, or did not find (A unsaved, failed, or not yet stored)
             "found_tokens": sum(r["shared"].get("found_tokens", 0) for r in shared),
             "declined_tokens": sum(r["shared"].get("declined_tokens", 0) for r in shared),
             "a_unsaved_tokens": sum(r.get("a_unsaved_tokens", 0) for r in shared),
+            "a_save_failures": sum(r.get("a_save_failures", 0) for r in shared),
             "identical_rounds_shared": sum(r["identical"] for r in shared),
             "identical_rounds_pd": sum(r["identical"] for r in pd),
             "rounds_shared": len(shared),
@@ -105,7 +105,7 @@ def print_report(rows: list[dict], args) -> None:
     print(
         f"B's block-aligned prompt tokens from the store: {c['hit_fraction_median'] or 0:.0%} "
         f"(median; found {c['found_tokens']:.0f}, declined {c['declined_tokens']:.0f}; "
-        f"A left {c['a_unsaved_tokens']:.0f} unsaved), "
+        f"A left {c['a_unsaved_tokens']:.0f} unsaved, {c['a_save_failures']:.0f} saves failed), "
         f"failed tokens {c['failed_tokens']:.0f}; completions identical: "
         f"{', '.join(identical)}; load average {c['load_average']}"
     )
