@@ -26,8 +26,8 @@ on the staging then proves nothing about the bytes the next copy reads from it (
 checked the MAC there and the copy trusted the XXH3 it carried: no MAC). So such a route checks
 nothing in the staging: the store checks the header (``get_into(..., headers_out=...)``) and
 each payload is copied out first, into private host blocks of the route (``PrivateBlocks``),
-and checked there, MAC included, before it moves on into the device block (a copy of the
-staging, MAC and copy into the device per block, while it is in cache); a chain promotes the
+and checked there, MAC included (each block copied, then checked while it is in cache),
+before the blocks that passed move on into the device in one copy; a chain promotes the
 blocks it loaded from below only after that check (``promote``). Saves are copied from the
 device into private blocks (hashed on the way), from there into the staging, and the store
 makes the checksum and MAC over the private copy (``put_from(..., originals=...)``).
@@ -124,18 +124,18 @@ class StagedRoute:
         blocks = [self.host_pool.block(int(i)) for i in ids]
         with self.load_lock:
             if self.peers_write_staging:
-                return self._fetch_unchecked(storage_keys, dev, ids, sums, go_on)
+                return self._fetch_unchecked(storage_keys, dev, blocks, sums, go_on)
             fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums))
             self.host_pool.set_checksums(ids[:fetched], sums[:fetched])
             go_on("after its transfer from the store, before the copy into its device blocks")
             return fetched, self.copier.swap_in_verified(ids[:fetched], dev[:fetched], checked=True)
 
     def _fetch_unchecked(
-        self, storage_keys: list[str], dev: np.ndarray, ids: np.ndarray, sums, go_on: GoOn
+        self, storage_keys: list[str], dev: np.ndarray, blocks: list, sums, go_on: GoOn
     ) -> tuple[int, np.ndarray]:
-        """``fetch`` where peers can write the staging: checked only once copied out of it."""
-        headers: list[bytes | None] = [None] * ids.size
-        blocks = [self.host_pool.block(int(i)) for i in ids]
+        """``fetch`` where peers can write the staging (``blocks``): checked only once copied
+        out of it."""
+        headers: list[bytes | None] = [None] * len(blocks)
         fetched = leading_true(self.storage.get_into(storage_keys, blocks, sums, headers))
         go_on("after its transfer from the store, before the copy into its device blocks")
         keys, dev = storage_keys[:fetched], dev[:fetched]
@@ -190,8 +190,9 @@ def guards_staging(storage: StorageBackend) -> bool:
 
 class PrivateBlocks:
     """Host blocks of the worker's own that no peer of the store can write (never registered):
-    a load from a staging a peer can write is copied here and checked before it moves on to a
-    device whose blocks are not host memory (CUDA). As many blocks as the load staging."""
+    a load from a staging a peer can write is copied here and checked before it moves on into
+    the device; a save is copied here from the device, and its checksum and MAC made here.
+    As many blocks as a staging range."""
 
     def __init__(self, device_cache: DeviceCache, staging: HostPool, num_blocks: int) -> None:
         self.pool = HostPool(staging.spec, num_blocks, pin=staging.pinned)
