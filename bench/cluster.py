@@ -47,7 +47,10 @@ from kvtier_bench.storage_raw import raw_mooncake_gbps
 from kvtier_bench.vllm_server import Server
 
 BLOCK = 128  # vLLM's block size on CPU: what a hit can cover
-SAVE_SETTLE_S = 1.0  # A's saves are answered off its critical path; B looks them up next
+# A's saves are answered off its critical path, seconds after its answers on a busy machine: B
+# looks them up once they are stored, or after this bound (a save declined or lost: the checks
+# line says which).
+SAVES_BOUND_S = 30.0
 # vLLM's workers spin-wait on their cores for a second after every step (shm_broadcast's
 # busy_loop_s): a server timed right after another one ran on shared cores pays for its spin.
 SPIN_SETTLE_S = 1.5
@@ -146,6 +149,12 @@ def sessions(tag: int, args) -> list[load.Session]:
     return load.no_reuse(tag, args.prompts, args.prompt_tokens)
 
 
+def loadable(session: load.Session) -> int:
+    """The tokens of a session's prompt that a hit can cover: whole blocks, the last token
+    never (vLLM computes it)."""
+    return (len(session.turns[0]) - 1) // BLOCK * BLOCK
+
+
 def measured(srv: Server, work: list[load.Session], concurrency: int, output: int) -> dict:
     srv.reset_prefix_cache()
     before = srv.metrics()
@@ -164,18 +173,21 @@ def shared_round(args, a: Server, b: Server, r: int) -> dict[str, Any]:
     shared, alone = sessions(100 + r, args), sessions(200 + r, args)
     a.reset_prefix_cache()
     before = a.metrics()
+    saves_before = a.saves()
     reference = [rec.tokens for rec in load.run(a, shared, 1, args.output_tokens)]
-    time.sleep(SAVE_SETTLE_S)
+    waited = time.monotonic()
+    stored = a.wait_saved(sum(loadable(s) for s in shared) // BLOCK, saves_before, SAVES_BOUND_S)
     after = a.metrics()
     out: dict[str, Any] = {  # what A saved, and left unsaved (load_or_recompute's estimates)
         f"a_{name}": after.get(metric, 0) - before.get(metric, 0)
         for name, metric in A_COUNTERS.items()
     }
+    out.update(a_saves_stored=stored, a_saves_wait_s=time.monotonic() - waited)
     for which in ("shared", "alone") if r % 2 == 0 else ("alone", "shared"):
         work = shared if which == "shared" else alone
         out[which] = measured(b, work, args.concurrency, args.output_tokens)
     out["identical"] = out["shared"]["tokens"] == reference
-    aligned = sum((len(s.turns[0]) - 1) // BLOCK * BLOCK for s in shared)
+    aligned = sum(loadable(s) for s in shared)
     out["hit_fraction"] = out["shared"]["loaded_tokens"] / aligned
     return out
 

@@ -57,27 +57,35 @@ def rows_of(shared: list[dict], pd: list[dict], raw: dict[str, float]) -> list[d
         row("P/D via pd-proxy / single", "requests/s", _pairs(proxy, "requests_per_s")),
     ]
     rows = [r for r in rows if r is not None]
-    rows.append(
-        {
-            "part": "checks",
-            "hit_fraction_median": statistics.median(r["hit_fraction"] for r in shared)
-            if shared
-            else None,
-            "failed_tokens": sum(r["shared"]["failed_tokens"] for r in shared),
-            # Below 100 %: B declined, or did not find (A unsaved, failed, or not yet stored)
-            "found_tokens": sum(r["shared"].get("found_tokens", 0) for r in shared),
-            "declined_tokens": sum(r["shared"].get("declined_tokens", 0) for r in shared),
-            "a_unsaved_tokens": sum(r.get("a_unsaved_tokens", 0) for r in shared),
-            "a_save_failures": sum(r.get("a_save_failures", 0) for r in shared),
-            "identical_rounds_shared": sum(r["identical"] for r in shared),
-            "identical_rounds_pd": sum(r["identical"] for r in pd),
-            "rounds_shared": len(shared),
-            "rounds_pd": len(pd),
-            "load_average": [round(r["proxy"]["load_average"], 1) for r in pd]
-            or [round(r["shared"]["load_average"], 1) for r in shared],
-        }
-    )
+    rows.append(_checks(shared, pd))
     return rows
+
+
+def _checks(shared: list[dict], pd: list[dict]) -> dict[str, Any]:
+    def total(figure: str, of: str | None = None) -> float:
+        return sum((r[of] if of else r).get(figure, 0) for r in shared)
+
+    return {
+        "part": "checks",
+        "hit_fraction_median": statistics.median(r["hit_fraction"] for r in shared)
+        if shared
+        else None,
+        "failed_tokens": total("failed_tokens", "shared"),
+        # Below 100 %: B declined, or did not find (A unsaved, failed, or not yet stored)
+        "found_tokens": total("found_tokens", "shared"),
+        "declined_tokens": total("declined_tokens", "shared"),
+        "a_unsaved_tokens": total("a_unsaved_tokens"),
+        "a_save_failures": total("a_save_failures"),
+        # Seconds from A's last answer until its saves were stored, per round
+        "a_saves_wait_s": [round(r.get("a_saves_wait_s", 0), 2) for r in shared],
+        "a_saves_stored_rounds": sum(bool(r.get("a_saves_stored")) for r in shared),
+        "identical_rounds_shared": sum(r["identical"] for r in shared),
+        "identical_rounds_pd": sum(r["identical"] for r in pd),
+        "rounds_shared": len(shared),
+        "rounds_pd": len(pd),
+        "load_average": [round(r["proxy"]["load_average"], 1) for r in pd]
+        or [round(r["shared"]["load_average"], 1) for r in shared],
+    }
 
 
 def _pairs(pairs: list[tuple[dict, dict]], figure: str) -> list[tuple[Any, Any]]:
@@ -105,7 +113,9 @@ def print_report(rows: list[dict], args) -> None:
     print(
         f"B's block-aligned prompt tokens from the store: {c['hit_fraction_median'] or 0:.0%} "
         f"(median; found {c['found_tokens']:.0f}, declined {c['declined_tokens']:.0f}; "
-        f"A left {c['a_unsaved_tokens']:.0f} unsaved, {c['a_save_failures']:.0f} saves failed), "
+        f"A left {c['a_unsaved_tokens']:.0f} unsaved, {c['a_save_failures']:.0f} saves failed, "
+        f"its saves stored in {c['a_saves_stored_rounds']} of {c['rounds_shared']} rounds, "
+        f"after {c['a_saves_wait_s']} s), "
         f"failed tokens {c['failed_tokens']:.0f}; completions identical: "
         f"{', '.join(identical)}; load average {c['load_average']}"
     )

@@ -212,6 +212,30 @@ class Server:
         with Client.connect(endpoints, start_timeout_s=timeout_s, observer=True) as client:
             return collect(client, timeout_s)
 
+    def saves(self, stats: list[dict[str, Any]] | None = None) -> tuple[int, int]:
+        """(blocks stored or found stored, save tasks answered other than OK), every rank's
+        workers together; ``stats``: from ``kvtier_stats``, else asked now."""
+        ranks = self.kvtier_stats() if stats is None else stats
+        saves = [rank.get("tasks", {}).get("save", {}) for rank in ranks]
+        blocks = sum(s.get("blocks_written", 0) + s.get("blocks_skipped", 0) for s in saves)
+        return blocks, sum(s.get("tasks", 0) - s.get("ok", 0) for s in saves)
+
+    def wait_saved(self, blocks: int, before: tuple[int, int], bound_s: float) -> bool:
+        """Wait until the saves since ``before`` (``saves()`` then) are answered — they are off
+        the server's critical path, and on a loaded machine land seconds after its answer: True
+        once ``blocks`` more blocks are stored, False once a save was answered other than OK
+        (a fault) or after ``bound_s``. Answered saves and idle workers are no sign: a prompt's
+        blocks may come in several saves, and at TP=2 each rank's vLLM worker sends its own."""
+        stored, failed = before
+        deadline = time.monotonic() + bound_s
+        while True:
+            now_stored, now_failed = self.saves()
+            if now_stored >= stored + blocks:
+                return True
+            if now_failed > failed or time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
     def stop(self, how: str = "group", sig: int = signal.SIGINT) -> float:
         """Signal the group (a terminal's Ctrl-C) or the API server alone (a service manager);
         seconds until every process it started — kvtier's included — is gone."""

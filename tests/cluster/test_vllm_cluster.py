@@ -101,28 +101,10 @@ def cluster(model, tmp_path_factory):
 SAVES_BOUND_S = 180.0  # a saver's blocks stored, on a machine at load 10-40
 
 
-def _saves(stats: list[dict]) -> tuple[int, int]:
-    """(blocks stored or found stored, save tasks answered other than OK), every rank."""
-    saves = [rank.get("tasks", {}).get("save", {}) for rank in stats]
-    blocks = sum(s.get("blocks_written", 0) + s.get("blocks_skipped", 0) for s in saves)
-    return blocks, sum(s.get("tasks", 0) - s.get("ok", 0) for s in saves)
-
-
 def _saved(server: Server, blocks: int, before: list[dict]) -> bool:
-    """Wait until ``server``'s saves since ``before`` (its workers' stats then) are answered —
-    they are off its critical path, and on a loaded machine land seconds after its answer: True
-    once ``blocks`` more blocks are stored, False once a save was answered other than OK (a
-    fault) or after SAVES_BOUND_S. Answered saves and idle workers are no sign: a prompt's
-    blocks may come in several saves, and at TP=2 each rank's vLLM worker sends its own."""
-    stored, failed = _saves(before)
-    deadline = time.monotonic() + SAVES_BOUND_S
-    while True:
-        now_stored, now_failed = _saves(server.kvtier_stats())
-        if now_stored >= stored + blocks:
-            return True
-        if now_failed > failed or time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
+    """``server``'s saves since ``before`` (its workers' stats then) answered: ``blocks`` more
+    stored (False on a fault or after SAVES_BOUND_S)."""
+    return server.wait_saved(blocks, server.saves(before), SAVES_BOUND_S)
 
 
 def _moved(server: Server, before: dict) -> dict:
@@ -199,7 +181,7 @@ def test_engine_b_hits_what_engine_a_computed(cluster) -> None:
     reference = [a.complete(p) for p in PROMPTS]  # misses: vLLM computed these, kvtier saved
     full = sum((len(p) - 1) // BLOCK for p in PROMPTS)  # blocks a hit can cover
     # A's saves land off its critical path; B looks next. A failed save says why in the logs.
-    assert _saved(a, full, saves_before), f"{_saves(a.kvtier_stats())}\n{_logs(a)}"
+    assert _saved(a, full, saves_before), f"{a.saves()}\n{_logs(a)}"
     before = b.metrics()
     assert [b.complete(p) for p in PROMPTS] == reference
     moved = _moved(b, before)
@@ -223,7 +205,7 @@ def test_a_tp2_engine_and_a_tp1_engine_never_hit_each_others_objects(cluster, fi
     before = c.kvtier_stats()
     c_tokens = c.complete(only_c)
     started = time.monotonic()
-    assert _saved(c, 2 * blocks, before), f"{_saves(c.kvtier_stats())}\n{_logs(c)}"
+    assert _saved(c, 2 * blocks, before), f"{c.saves()}\n{_logs(c)}"
     figures["tp2_saves_landed_after_s"] = round(time.monotonic() - started, 2)
     a_tokens, loaded = _loaded(a, only_c)
     assert loaded == 0

@@ -9,6 +9,7 @@ that fails, a load in flight that another request waits for. The real-engine tes
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -30,6 +31,8 @@ from vllm.v1.request import Request  # noqa: E402
 
 import kvtier.vllm.scheduler as scheduler_module  # noqa: E402
 from kvtier.engine.client import Client  # noqa: E402
+from kvtier.transport import tasks as t  # noqa: E402
+from kvtier.vllm.decide import LoadOrRecompute  # noqa: E402
 from kvtier.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.vllm.transfers import StepTransfers  # noqa: E402
@@ -544,3 +547,22 @@ def test_full_blocks_of_generated_tokens_are_saved_for_the_next_turn(connector) 
     second = request("t2", tokens + answer + list(range(9000, 9040)))
     found, _ = scheduler.get_num_new_matched_tokens(second, 0)
     assert found == (8 if scheduler.settings.save_generated else 6) * BS
+
+
+def test_a_saves_sample_leaves_out_its_threads_waits_for_a_core() -> None:
+    """A save answered after 2 s of which its niced thread waited 1.9 s for a core (a busy
+    machine) is a sample of 0.1 s: no slow-store floor under the first tier."""
+    transfers = StepTransfers(BS)
+    future: Future = Future()
+    blocks = [0, 1, 2, 3, 4]
+    future.set_result(
+        t.Result(task_id=1, status=t.Status.OK, blocks=blocks, seconds=2.0, cpu_wait_s=1.9)
+    )
+    transfers._account_save(future, [bytes([i]) * 32 for i in range(5)])
+    meta = transfers.worker_meta()
+    assert meta is not None and meta.save_times == [(5, pytest.approx(0.1))]
+    decision = LoadOrRecompute(BS)
+    decision.saved(*meta.save_times[0])
+    assert decision._floors() == (0.0, 0.0)
+    decision.saved(5, 2.0)  # the same save without the waits: 0.4 s per block of its own
+    assert decision._floors() == (0.0, 0.4)

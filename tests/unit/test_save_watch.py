@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -45,3 +48,39 @@ def test_a_save_blocked_on_its_store_is_slow_one_computing_or_big_is_not() -> No
     big: list[float] = []  # 1 GiB blocked ~1.6 s: 640 MB/s, a sound store
     _save(watch, 1 << 30, lambda done: done.wait(), big)
     assert max(big) == 0.0
+
+
+def test_a_saves_waits_for_a_core_are_told_apart_from_its_store() -> None:
+    """``finished()`` returns the seconds the save's thread waited on a run queue: with a
+    busy process pinned to the same core a spinning save waits for about half of its time;
+    a save that waits on its store (not runnable) waits for no core."""
+    core = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print(flush=True); sys.stdout.close()\nwhile 1: pass"],
+        stdout=subprocess.PIPE,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )
+    try:
+        assert hog.stdout is not None and hog.stdout.readline() == b"\n"  # spinning from now
+        watch, waits = SaveWatch(), {}
+
+        def save(name: str, work) -> None:
+            os.sched_setaffinity(threading.get_native_id(), {core})
+            watch.started(1 << 20)
+            work()
+            waits[name] = watch.finished()
+
+        def spin() -> None:  # 0.6 s of wall time, sharing the core with the hog
+            until = time.monotonic() + 0.6
+            while time.monotonic() < until:
+                pass
+
+        for name, work in (("spin", spin), ("store", lambda: time.sleep(0.6))):
+            thread = threading.Thread(target=save, args=(name, work))
+            thread.start()
+            thread.join()
+    finally:
+        hog.kill()
+        hog.wait()
+    assert waits["spin"] >= 0.15, waits  # ~0.3 s: the core is shared with one busy process
+    assert waits["store"] < 0.05, waits

@@ -182,6 +182,9 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     count: int = 0
     bytes_moved: int = 0
     seconds: float = 0.0
+    # Of ``seconds``, the time the task's thread waited for a core (saves: their niced thread
+    # on a busy machine) — time that says nothing of the store (``kvtier.vllm.decide``).
+    cpu_wait_s: float = 0.0
     message: str = ""
     code: Code = Code.NONE
     rank: int = -1

@@ -35,10 +35,11 @@ seconds (the vLLM worker sides report their oldest each step, once it is ``REPOR
 old: longer than a busy machine keeps a fast store's save waiting) puts a floor under the first
 tier's rate, ``t / blocks`` per block, until it is answered — unless loads of it were measured
 within ``STALE_S`` (they say more). Once answered, a save that took ``SLOW_SAVE_S`` or more of
-the worker's own time (``Result.seconds``: its run, not its queue) keeps that floor, ``seconds
-/ blocks written``, until loads of the first tier are measured; a faster one lifts it. So a
-fresh engine does not pay a slow store's first loads to learn what its saves already said, and
-a busy machine's queue of saves still says nothing.
+the worker's own time (``Result.seconds - Result.cpu_wait_s``: its run, not its queue, less
+the time its niced thread waited for a core) keeps that floor, ``seconds / blocks written``,
+until loads of the first tier are measured; a faster one lifts it. So a fresh engine does not
+pay a slow store's first loads to learn what its saves already said, and a busy machine's queue
+of saves, or its CPU, still says nothing.
 
 **Within the step or not** (``load_mode: auto``, the default): a load estimated shorter than
 a step (a moving average of the time between steps) and than ``SYNC_MAX_S`` runs within the

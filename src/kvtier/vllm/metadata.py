@@ -61,7 +61,8 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     ``(blocks, seconds so far)`` of a rank's oldest save still unanswered, once it is older
     than ``REPORT_WAITING_S``: a slow store is noticed while its first save is on its way.
     ``save_times``: ``(blocks written, the worker's own seconds)`` of saves answered since the
-    last step (not their time from submission: saves queue behind each other)."""
+    last step (not their time from submission: saves queue behind each other; nor the time
+    their niced thread waited for a core: a busy machine's, not the store's)."""
 
     failed_hashes: set[bytes] = field(default_factory=set)
     load_times: list[tuple[tuple[int, ...], float]] = field(default_factory=list)

@@ -237,8 +237,10 @@ class StepTransfers:
             if result.status is not t.Status.OK:
                 self._count(save_failures=1)
             elif len(result.blocks) > result.count:  # blocks written: a sample of its own time
+                # (less its waits for a core: a niced thread on a busy machine, not the store)
+                store_s = result.seconds - result.cpu_wait_s
                 with self._stats_lock:
-                    self._save_times.append((len(result.blocks) - result.count, result.seconds))
+                    self._save_times.append((len(result.blocks) - result.count, store_s))
         except Exception:
             self._count(save_failures=1)
 

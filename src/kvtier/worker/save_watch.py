@@ -52,9 +52,15 @@ class SaveWatch:
         with self._lock:
             self._running = None if times is None else (tid, nbytes, time.monotonic(), *times)
 
-    def finished(self) -> None:
+    def finished(self) -> float:
+        """On the save thread, as its save ends: the seconds it waited for a core meanwhile
+        (0.0 where that cannot be read) — time that says nothing of the store."""
         with self._lock:
-            self._running = None
+            running, self._running = self._running, None
+        times = None if running is None else _schedstat(running[0])
+        if running is None or times is None:
+            return 0.0
+        return max(0.0, times[1] - running[4])
 
     def slow_store(self) -> float:
         """Seconds the running save has been blocked on its store, if that shows a slow store

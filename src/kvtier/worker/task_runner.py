@@ -184,17 +184,17 @@ class TaskRunner:
             self.save_watch.started(
                 len(task.device_block_ids) * self.resources.config.spec.block_bytes
             )
-        start = time.perf_counter()
+        start, cpu_wait_s = time.perf_counter(), 0.0
         try:
             outcome = self._outcome(task, keys, until)
         finally:
             if saving:
-                self.save_watch.finished()
+                cpu_wait_s = self.save_watch.finished()
             with self._lock:
                 self._busy[direction] -= 1
             self.gate.done(item)
         seconds = time.perf_counter() - start
-        self._account(task, outcome, seconds)
+        self._account(task, outcome, seconds, cpu_wait_s)
         removed, all_removed = (
             self._removals(task, keys, outcome) if isinstance(task, STORAGE_TASKS) else ([], False)
         )
@@ -205,6 +205,7 @@ class TaskRunner:
             count=outcome.count,
             bytes_moved=outcome.bytes_moved,
             seconds=seconds,
+            cpu_wait_s=min(cpu_wait_s, seconds),
             message=outcome.message,
             rank=self.rank,
             removed=removed,
@@ -241,7 +242,7 @@ class TaskRunner:
             self.counters.error("internal", self._metrics())
             return Outcome(t.Status.ERROR, message=f"internal error: {type(e).__name__}: {e}")
 
-    def _account(self, task: Any, outcome: Outcome, seconds: float) -> None:
+    def _account(self, task: Any, outcome: Outcome, seconds: float, cpu_wait_s: float) -> None:
         kind = t.task_name(task)
         self.counters.task(
             kind,
@@ -259,7 +260,7 @@ class TaskRunner:
             return
         log.log(
             level,
-            "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms",
+            "rank %d: %s %d -> %s, %d blocks, %d bytes in %.3f ms%s",
             self.rank,
             kind,
             task.task_id,
@@ -267,6 +268,7 @@ class TaskRunner:
             len(outcome.blocks),
             outcome.bytes_moved,
             seconds * 1e3,
+            f" ({cpu_wait_s * 1e3:.3f} ms of it waiting for a core)" if cpu_wait_s else "",
         )
 
 
