@@ -1,7 +1,8 @@
 """Engines that share a Mooncake cluster, and prefill/decode through it, as ``vllm serve`` runs.
 
 A Mooncake master and a storage node on loopback; every engine is a pure Mooncake client (its
-objects live on the node), all with one MAC key. Three measures, each round with new prompts:
+objects live on the node), all with one MAC key (``--no-mac``: checksums only). Three measures,
+each round with new prompts:
 
 (a) **Shared prefixes.** Engine A computes a set of prompts (its saves go to the cluster); then
     engine B answers them — loaded from the store — and, as its own baseline, a set nobody saw
@@ -81,10 +82,12 @@ class Cluster:
             process.stop()
 
 
-def start_cluster(root: Path, segment_bytes: int) -> Cluster:
+def start_cluster(root: Path, segment_bytes: int, mac: bool = True) -> Cluster:
+    """A master and a storage node; ``mac``: the engines' objects carry kvtier's MAC (one key)."""
     from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
 
-    auth.write_key(root / "mac.key")
+    if mac:
+        auth.write_key(root / "mac.key")
     master = LocalMaster().start()
     try:
         node = LocalStoreNode(master, segment_bytes).start()
@@ -95,8 +98,9 @@ def start_cluster(root: Path, segment_bytes: int) -> Cluster:
         global_segment_size=0,  # pure clients: the objects live on the node
         local_buffer_size=64 << 20,
         local_hostname="127.0.0.1",
-        mac_key_file=str(root / "mac.key"),
     )
+    if mac:
+        storage["mac_key_file"] = str(root / "mac.key")
     return Cluster(master, node, storage)
 
 
@@ -252,7 +256,7 @@ def report(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-cluster-") as tmp:
         root = Path(tmp)
         model = model_or_built(args.model, root)
-        cluster = start_cluster(root, args.segment_bytes)
+        cluster = start_cluster(root, args.segment_bytes, mac=not args.no_mac)
         args.storage = cluster.storage
         try:
             shared, pd, raw = measure(args, model, root, cluster)
@@ -318,7 +322,8 @@ def measure_pd(args, model: str, root: Path) -> list[dict]:
     pd_storage = None  # the cluster
     if args.pd_storage == "file":  # one machine: a shared file store
         pd_storage = {"backend": "file", "root": str(root / "pd-store")}
-        pd_storage["mac_key_file"] = args.storage["mac_key_file"]
+        if "mac_key_file" in args.storage:
+            pd_storage["mac_key_file"] = args.storage["mac_key_file"]
     producer = server(args, model, root, "producer", "kv_producer", first, pd_storage)
     consumer = server(args, model, root, "consumer", "kv_consumer", second, pd_storage)
     single = server(args, model, root, "single", None, every)

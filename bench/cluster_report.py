@@ -100,7 +100,8 @@ def print_report(rows: list[dict], args) -> None:
     print(
         f"kvtier bench cluster: {args.rounds} rounds, {args.prompts} prompts x "
         f"{args.prompt_tokens} tokens per set, {args.concurrency} in flight, one Mooncake "
-        f"master and storage node on loopback, engines as pure clients; P/D through "
+        f"master and storage node on loopback, engines as pure clients "
+        f"({'checksums only' if args.no_mac else 'one MAC key'}); P/D through "
         f"{'the cluster' if args.pd_storage == 'mooncake' else 'a shared file store'}"
     )
     print_table([r for r in rows if "measure" in r], COLUMNS)

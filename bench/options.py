@@ -239,6 +239,12 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--skip-pd", action="store_true", help="measure only the shared prefixes (parts a, c)"
     )
+    p.add_argument(
+        "--no-mac",
+        action="store_true",
+        help="objects with checksums only, no MAC key (kvtier's default; the MAC is the default "
+        "here, as a cluster of several users should run)",
+    )
     p.add_argument("--kvtier-settings", default="{}", help="more kv_connector_extra_config as JSON")
     p.add_argument("--model", help="a model directory (default: build a random Llama)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from kvtier.worker.save_watch import SHED_AFTER_S, SaveWatch
+from kvtier.worker.save_watch import SHED_AFTER_S, SaveWatch, core_wait_s
 
 
 def _save(watch: SaveWatch, nbytes: int, work, seen: list[float]) -> None:
@@ -66,9 +66,13 @@ def test_a_saves_waits_for_a_core_are_told_apart_from_its_store() -> None:
 
         def save(name: str, work) -> None:
             os.sched_setaffinity(threading.get_native_id(), {core})
+            before = core_wait_s()
             watch.started(1 << 20)
             work()
             waits[name] = watch.finished()
+            after = core_wait_s()  # what a load's task measures around itself
+            assert before is not None and after is not None
+            waits[f"{name} (core_wait_s)"] = after - before
 
         def spin() -> None:  # 0.6 s of wall time, sharing the core with the hog
             until = time.monotonic() + 0.6
@@ -84,3 +88,4 @@ def test_a_saves_waits_for_a_core_are_told_apart_from_its_store() -> None:
         hog.wait()
     assert waits["spin"] >= 0.15, waits  # ~0.3 s: the core is shared with one busy process
     assert waits["store"] < 0.05, waits
+    assert waits["spin (core_wait_s)"] >= waits["spin"] and waits["store (core_wait_s)"] < 0.05

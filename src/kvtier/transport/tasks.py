@@ -182,8 +182,8 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     count: int = 0
     bytes_moved: int = 0
     seconds: float = 0.0
-    # Of ``seconds``, the time the task's thread waited for a core (saves: their niced thread
-    # on a busy machine) — time that says nothing of the store (``kvtier.vllm.decide``).
+    # Of ``seconds``, the time the task's thread waited for a core (storage transfers; saves
+    # run on a niced thread) — a busy machine's time, not the store's (``kvtier.vllm.decide``).
     cpu_wait_s: float = 0.0
     message: str = ""
     code: Code = Code.NONE

@@ -38,6 +38,13 @@ def _schedstat(tid: int) -> tuple[float, float] | None:
         return None
 
 
+def core_wait_s() -> float | None:
+    """Seconds the calling thread has waited on a run queue since it started (None where
+    schedstat cannot be read): two readings around a task give its waits for a core."""
+    times = _schedstat(threading.get_native_id())
+    return None if times is None else times[1]
+
+
 class SaveWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
