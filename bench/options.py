@@ -160,6 +160,14 @@ def extra_server_arguments(p: argparse.ArgumentParser) -> None:
         help="one more server per round: vLLM with a connector that does nothing (what vLLM's "
         "connector machinery costs alone)",
     )
+    p.add_argument(
+        "--tiered",
+        type=SIZE,
+        metavar="SIZE",
+        help="one more server per round: kvtier with a memory tier of SIZE in front of the same "
+        "kind of store as the kvtier server's; its figures are also shown divided by the kvtier "
+        "server's, round by round (issue 30's (e) with --mooncake-link)",
+    )
 
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,11 @@ others may queue for KV space).
 ``--null-connector`` adds a server with a connector that does nothing
 (``kvtier_bench.null_connector``): its ratio to the no-connector server is what vLLM's connector
 machinery costs before a connector does any work, the floor under kvtier's cost on misses.
+
+``--tiered SIZE`` adds a kvtier server whose store has a memory tier of SIZE in front (same kind
+of store, its own keys): its figures divided by the kvtier server's, round by round, are what the
+memory tier gives — with ``--mooncake-link``, issue 30's (e), both sides measured in the same
+rounds on the same link.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ NULL_CONNECTOR = {
 EXTRA = {
     "ideal": "ideal (vLLM alone, a cache for everything)",
     "null": "null connector (vLLM's connector machinery, no work)",
+    "tiered": "kvtier with a memory tier in front of its store",
 }
 
 
@@ -118,15 +124,16 @@ def binding(server: Server) -> str:
 def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict[str, Any]:
     """One fresh server (``plain``, ``kvtier``, ``ideal`` or ``null``) through every workload."""
     extra = None
-    if label == "kvtier":
+    if label in ("kvtier", "tiered"):
         storage: dict[str, Any] = {
-            **(args.cluster or {"backend": "file", "root": str(root / f"store{run}")}),
+            **(args.cluster or {"backend": "file", "root": str(root / f"store-{label}{run}")}),
             **({"faults": json.loads(args.store_faults)} if args.store_faults else {}),
         }
-        if args.memory_tier:
-            storage = with_memory_tier(storage, args.memory_tier)
-        # Every run its own keys: a cluster outlives the run, and the prompts repeat.
-        extra = {"namespace": f"bench-serve-{run}", **json.loads(args.kvtier_settings)}
+        memory = args.memory_tier if label == "kvtier" else args.tiered
+        if memory:
+            storage = with_memory_tier(storage, memory)
+        # Every server its own keys: a cluster outlives the run, and the prompts repeat.
+        extra = {"namespace": f"bench-serve-{label}-{run}", **json.loads(args.kvtier_settings)}
         extra["storage"] = storage
     server = Server(
         model,
@@ -199,6 +206,14 @@ def rows_of(rounds: list[dict[str, dict]], plan) -> list[dict[str, Any]]:
                 if got:
                     row[extra] = statistics.median(x for _, x in got)
                     row[f"{extra}_ratio"] = statistics.median(x / p for p, x in got)
+            if "tiered" in row:  # what the memory tier gives: ÷ the kvtier server, per round
+                each = [
+                    (r["tiered"][name][figure], r["kvtier"][name][figure])
+                    for r in rounds
+                    if "tiered" in r and r["kvtier"][name].get(figure)
+                ]
+                row["tiered_vs_kvtier_rounds"] = each  # (tiered, kvtier) per round
+                row["tiered_vs_kvtier"] = statistics.median(t / k for t, k in each)
             rows.append(row)
         for counter in COUNTERS:
             row = {
@@ -256,6 +271,7 @@ def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
             for extra in shown:
                 line += f" {row[extra]:8.0f} {'':12}" if extra in row else ""
             print(line)
+    print_tiered(rows)
     for name in dict.fromkeys(r["workload"] for r in rows):
         same = next(r["identical_rounds"] for r in rows if r["workload"] == name and "ratio" in r)
         print(f"{name}: completions identical at temperature 0 in {same} of {len(rounds)} rounds")
@@ -264,6 +280,20 @@ def print_report(rows: list[dict], rounds: list[dict], reserved: int) -> None:
             for label in ("kvtier", *EXTRA):
                 if label in entry and entry[label][name]["tokens"] != plain["tokens"]:
                     print(f"  round {r}, {label}: {differences(plain, entry[label][name])}")
+
+
+def print_tiered(rows: list[dict]) -> None:
+    """--tiered: the memory tier's server ÷ the kvtier server (store alone), round by round."""
+    tiered = [row for row in rows if "tiered_vs_kvtier" in row]
+    if tiered:
+        print("memory tier in front ÷ store alone (--tiered ÷ kvtier): median, then per round")
+    for row in tiered:
+        scale, form = (1, ".2f") if row["figure"] == "requests_per_s" else (1000, ".0f")  # ms
+        each = "  ".join(
+            f"{t / k:.3f} ({t * scale:{form}}/{k * scale:{form}})"
+            for t, k in row["tiered_vs_kvtier_rounds"]
+        )
+        print(f"  {row['workload']:18} {row['measure']:30} {row['tiered_vs_kvtier']:7.3f}   {each}")
 
 
 def differences(plain: dict, other: dict) -> str:
@@ -305,7 +335,11 @@ def _rounds(args: argparse.Namespace, plan) -> list[dict]:
         for run in range(args.rounds):
             entry = {}
             order = ["plain", "kvtier"] if run % 2 == 0 else ["kvtier", "plain"]
-            for extra, wanted in (("ideal", args.ideal), ("null", args.null_connector)):
+            for extra, wanted in (
+                ("ideal", args.ideal),
+                ("null", args.null_connector),
+                ("tiered", args.tiered),
+            ):
                 if wanted:
                     order.insert(run % (len(order) + 1), extra)
             for label in order:
