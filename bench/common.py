@@ -96,13 +96,17 @@ def emit(
     as_json: bool,
     title: str,
     columns: Sequence[tuple[str, str, str]],
+    stores: bool = False,
 ) -> None:
-    """Print the rows: one JSON object per line, or a title and a table."""
+    """Print the rows: one JSON object per line, or a title and a table; ``stores``: then say
+    (on stderr) which stores kvtier's native copies chose in this process."""
     if as_json:
         print_json_rows(rows)
     else:
         print(title)
         print_table(rows, columns)
+    if stores:
+        progress(stores_line())
 
 
 def save_plot(path: str, draw: Callable[[Any], None], title: str) -> None:
@@ -152,3 +156,14 @@ def standalone(
     parser = Parser(prog=f"kvtier bench {name}", description=doc)
     add_arguments(parser)
     return report(parser.parse_args(argv))
+
+
+def stores_line() -> str:
+    """Which stores kvtier's native copies chose in this process (``kvtier.memory.stores``)."""
+    try:
+        from kvtier import _copy
+    except ImportError:
+        return "kvtier's native copier is not built"
+    from kvtier.memory import stores
+
+    return "kvtier's native copies: " + stores.choice(_copy).describe()

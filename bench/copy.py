@@ -185,19 +185,28 @@ def plain_copies(dst: torch.Tensor, src: torch.Tensor, cuda: bool) -> dict:
             )
         for t in sorted({1, threads}):  # non-temporal stores: no read of the destination first
             if n % t == 0 and _copy is not None:
-                copies[f"limit:streaming x{t}"] = _streaming_copy(dst_ptr, src_ptr, n, t)
+                for kind in ("streaming", "cached"):
+                    copies[f"limit:{kind} x{t}"] = _native_copy(dst_ptr, src_ptr, n, t, kind)
     return copies
 
 
-def _streaming_copy(dst: int, src: int, n: int, threads: int):
-    """One contiguous range copied with non-temporal stores (kvtier's native piece copy, one
-    piece per thread): glibc's memmove reads each destination line before writing it unless a
-    copy is very large, so on some machines this plain copy is the fastest."""
+def _native_copy(dst: int, src: int, n: int, threads: int, kind: str):
+    """One contiguous range copied by kvtier's native piece copy (a piece per thread) with
+    ``streaming`` (non-temporal) or ``cached`` stores, whatever ``kvtier.memory.stores`` chose:
+    on some machines streaming stores make the fastest plain copy, on others the slowest."""
     chunk = n // threads
     one = np.array([chunk], dtype=np.int64)
     ids = np.arange(threads, dtype=np.int64)
     args = (np.array([dst], np.int64), one, ids, np.array([src], np.int64), one, ids, one)
-    return lambda: _copy.copy_indexed(*args, threads)
+
+    def copy() -> None:
+        before = _copy.set_streaming(kind == "streaming")
+        try:
+            _copy.copy_indexed(*args, threads)
+        finally:
+            _copy.set_streaming(before)
+
+    return copy
 
 
 # One large memmove switches glibc to non-temporal stores past a size threshold, slower on some
@@ -361,7 +370,7 @@ def report(args: argparse.Namespace) -> int:
         f"{args.head_dim}, {args.layers} layers, K+V; median of {args.runs} runs)"
     )
     rows = run(args)
-    emit(rows, args.json, title, COLUMNS)
+    emit(rows, args.json, title, COLUMNS, stores=True)
     if args.plot:
         save_plot(args.plot, lambda plt: plot(plt, rows), title)
     return 0

@@ -350,7 +350,7 @@ def report(args: argparse.Namespace) -> int:
         f"{args.io_threads} I/O threads; GB/s of payload)"
     )
     rows = run(args)
-    emit(rows, args.json, title, COLUMNS)
+    emit(rows, args.json, title, COLUMNS, stores=True)
     if args.plot:
         save_plot(args.plot, lambda plt: plot(plt, rows), title)
     return 0

@@ -41,6 +41,11 @@
 #define KV_KERNEL static
 #include "copy_kernels.h"
 
+#if defined(__GNUC__)
+__attribute__((visibility("hidden")))
+#endif
+int kv_streaming_stores = 1;
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #define HAVE_AVX2_KERNELS 1
 /* _copy_avx2.c: the same kernels with AVX2 */
@@ -434,7 +439,23 @@ static PyObject *copy_scattered(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *set_streaming(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+    int previous = kv_streaming_stores;
+    kv_streaming_stores = flag;
+    return PyBool_FromLong(previous);
+}
+
+static PyObject *streaming(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(kv_streaming_stores);
+}
+
 static PyMethodDef methods[] = {
+    {"set_streaming", set_streaming, METH_VARARGS,
+     "set_streaming(flag) -> the previous setting; pieces of 4 KiB or more are written with"
+     " streaming (non-temporal) stores when set, through the cache otherwise"},
+    {"streaming", streaming, METH_NOARGS, "streaming() -> whether streaming stores are used"},
     {"copy_blocks_hashed", copy_blocks_hashed, METH_VARARGS,
      "copy_blocks_hashed(dst_ptrs, src_ptrs, sizes, pieces_per_block, hashes_out, num_threads)"
      " -> blocks copied; hashes_out[b] = XXH3-64 of block b's source pieces in order"},

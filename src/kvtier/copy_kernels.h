@@ -11,6 +11,10 @@
  * instead of 3. Swapped-out blocks are not read again soon, so bypassing the cache costs nothing.
  */
 #define STREAM_MIN_BYTES 4096
+/* Whether such pieces are written with streaming stores (1) or through the cache (0): which is
+ * faster depends on the host, so kvtier.memory.stores times both and sets this (set_streaming).
+ * Both write the same bytes; a copy that reads it while it changes uses either kind. */
+extern int kv_streaming_stores;
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
 #endif
@@ -25,7 +29,7 @@ typedef struct {
 
 static inline void copy_piece(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
-    if (n >= STREAM_MIN_BYTES) {
+    if (n >= STREAM_MIN_BYTES && kv_streaming_stores) {
         size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
         memcpy(dst, src, head);
         dst += head;

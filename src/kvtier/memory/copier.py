@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.memory import stores
 from kvtier.memory.copier_base import BlockCopier
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostPool
@@ -44,6 +45,7 @@ class CpuBlockCopier(BlockCopier):
         if _copy is None:
             raise RuntimeError("kvtier._copy is not built; use TorchBlockCopier")
         self.num_threads: int = num_threads or max(1, torch.get_num_threads())
+        self._stores = stores.choice(_copy)  # streaming or cached stores: timed on this host
         # Where each (layer, part) piece of host block 0 lies, and each piece's block stride.
         self._host_pieces: np.ndarray = host_pool.block_address(0) + np.array(
             [p.offset_bytes for p in self.spec.pieces], dtype=np.int64
@@ -72,8 +74,12 @@ class CpuBlockCopier(BlockCopier):
         are copied (still in cache)."""
         hashes = np.empty(num_blocks, dtype=np.uint64)
         threads = self._threads_for(num_blocks)
-        _copy.copy_blocks_hashed(dst, src, sizes, len(self.spec.pieces), hashes, threads)
-        return num_blocks * self.spec.block_bytes, hashes
+        nbytes = num_blocks * self.spec.block_bytes
+        pieces = len(self.spec.pieces)
+        self._stores.run(
+            nbytes, lambda: _copy.copy_blocks_hashed(dst, src, sizes, pieces, hashes, threads)
+        )
+        return nbytes, hashes
 
     def _swap_out(self, dev, host, checksum):
         if checksum:
@@ -93,7 +99,10 @@ class CpuBlockCopier(BlockCopier):
         base, stride, size = self.device_cache.piece_table()
         device, host_side = (base, stride, dev), (self._host_pieces, self._host_strides, host)
         dst, src = (host_side, device) if to_host else (device, host_side)
-        return _copy.copy_indexed(*dst, *src, size, self._threads_for(dev.size)), None
+        threads = self._threads_for(dev.size)
+        nbytes = dev.size * self.spec.block_bytes
+        total = self._stores.run(nbytes, lambda: _copy.copy_indexed(*dst, *src, size, threads))
+        return total, None
 
     def _threads_for(self, num_blocks: int) -> int:
         return self.num_threads if num_blocks * self.spec.block_bytes >= PARALLEL_MIN_BYTES else 1

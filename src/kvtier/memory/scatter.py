@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier.memory import stores
+
 _copy: Any = None
 try:
     from kvtier import _copy  # type: ignore[no-redef]
@@ -45,9 +47,13 @@ def copy_scattered(
     if len(whole) != len(parts):
         raise ValueError("one list of pieces per contiguous buffer")
     if _copy is not None:
-        total = sum(memoryview(b).nbytes for b in whole) if len(whole) > 1 else 0
-        threads = torch.get_num_threads() if total >= PARALLEL_MIN_BYTES else 1
-        return int(_copy.copy_scattered(whole, parts, to_pieces, hashes, threads))
+        total = sum(memoryview(b).nbytes for b in whole)
+        threads = torch.get_num_threads() if total >= PARALLEL_MIN_BYTES and len(whole) > 1 else 1
+        return int(
+            stores.choice(_copy).run(
+                total, lambda: _copy.copy_scattered(whole, parts, to_pieces, hashes, threads)
+            )
+        )
     return _copy_in_python(whole, parts, to_pieces, hashes)
 
 
