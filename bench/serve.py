@@ -122,7 +122,8 @@ def binding(server: Server) -> str:
 
 
 def one_server(args, model: str, root: Path, label: str, run: int, plan) -> dict[str, Any]:
-    """One fresh server (``plain``, ``kvtier``, ``ideal`` or ``null``) through every workload."""
+    """One fresh server (``plain``, ``kvtier``, ``tiered``, ``ideal`` or ``null``) through every
+    workload."""
     extra = None
     if label in ("kvtier", "tiered"):
         storage: dict[str, Any] = {
