@@ -260,7 +260,14 @@ whole = np.concatenate(src)
 s = np.zeros(1, dtype=np.uint64)
 _copy.copy_scattered([whole], [[bytearray(n) for n in sizes]], True, s, 1)
 same = all(np.array_equal(a, b) for a, b in zip(src, out))
-print(json.dumps([_copy.kernels, want, int(h[0]), int(ok[0]), same, int(s[0])]))
+# Whole lines into aligned pieces with streaming stores: the fused copy-and-hash.
+_copy.set_streaming(True)
+lined = whole[: len(whole) // 64 * 64]
+f = np.zeros(1, dtype=np.uint64)
+_copy.copy_scattered([lined], [[np.zeros(4096, np.uint8), np.zeros(len(lined) - 4096, np.uint8)]],
+                     True, f, 1)
+fused = int(f[0]) == xxhash.xxh3_64_intdigest(lined.tobytes())
+print(json.dumps([_copy.kernels, want, int(h[0]), int(ok[0]), same, int(s[0]), fused]))
 """
 
 
@@ -273,9 +280,9 @@ def test_each_set_of_hashing_kernels_computes_xxh3(baseline) -> None:
     out = subprocess.run(
         [sys.executable, "-c", KERNELS_CHECK], env=env, capture_output=True, text=True, check=True
     )
-    kernels, want, hashed, verified, same, scattered = json.loads(out.stdout)
+    kernels, want, hashed, verified, same, scattered, fused = json.loads(out.stdout)
     assert kernels == "base" if baseline else kernels in ("base", "avx2")
-    assert hashed == want and scattered == want and verified == 1 and same
+    assert hashed == want and scattered == want and verified == 1 and same and fused
 
 
 def test_other_process_attaches_and_swaps(name: str) -> None:
