@@ -266,11 +266,15 @@ KV_KERNEL void *KV_NAME(verify_copy_span)(void *arg) {
         s->ok[b] = s->ok[b] && XXH3_64bits_digest(&state) == s->expected[b];
         if (!s->ok[b]) continue;
         for (Py_ssize_t i = first; i < last; i++) {
-            /* Just hashed, so still in cache: a plain memcpy beats streaming stores here. */
-            memcpy((char *)(intptr_t)s->dst[i], (const char *)(intptr_t)s->src[i],
-                   (size_t)s->size[i]);
+            /* Just hashed, so in cache: streamed from there (stop 52's host: 8.5-9.4 GB/s with
+             * memcpy, 10.5-12.5 with copy_piece's streaming stores, two threads). */
+            copy_piece((char *)(intptr_t)s->dst[i], (const char *)(intptr_t)s->src[i],
+                       (size_t)s->size[i]);
         }
     }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
     return NULL;
 }
 
