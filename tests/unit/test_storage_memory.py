@@ -8,6 +8,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from kvtier.layout.checksum import payload_checksum
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.arena import ArenaStore
@@ -67,6 +68,27 @@ def test_the_bounded_memory_backend_preallocates_and_evicts_least_recently_used(
         assert spilled[0][1][64:] == bytes(
             expected_block(keys[1], CONTRACT_SPEC.block_bytes).numpy()
         )
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["hashed-here", "checksums-given"])
+def test_a_batch_larger_than_the_store_keeps_its_last_objects_whole(known) -> None:
+    """Ten saves in one call into three slots: the batch is copied in parts (slots taken before
+    any is published), later parts evict earlier ones, and what stays is the last three, each
+    with its own bytes and checksum."""
+    store = make_backend(CONTRACT_SPEC, {"backend": "memory", "capacity_bytes": 3 * OBJECT_BYTES})
+    keys = make_keys(10)
+    with HostPool(CONTRACT_SPEC, 11) as pool, store:
+        blocks = [pool.block(i) for i in range(10)]
+        for key, block in zip(keys, blocks):
+            block.copy_(expected_block(key, block.numel()))
+        sums = [payload_checksum(block.numpy()) for block in blocks] if known else None
+        assert store.put_from(keys, blocks, checksums=sums) == [True] * 10
+        assert [store.exists_prefix([k]) for k in keys] == [0] * 7 + [1] * 3
+        assert store.stats.evictions == 7
+        target = pool.block(10)
+        for key in keys[7:]:
+            assert store.get_into([key], [target]) == [True]
+            assert target.equal(expected_block(key, target.numel()))
 
 
 def test_a_slot_being_read_is_never_reused_by_a_save() -> None:

@@ -53,8 +53,6 @@ class ArenaStore(StorageBackend):
         # Loads copy payloads out with ``copy_scattered``: a batch in one native call, hashed
         # on the way.
         self._payloads = [view[HEADER_BYTES:] for view in self._views]
-        # Saves of host blocks copy through torch: it splits a large copy over its threads.
-        self._blocks = [self._pool.block(i) for i in range(slots)]
         self._dropped: set[int] = set()  # unmapped while pinned: free once the reads end
         self._slots: OrderedDict[str, int] = OrderedDict()  # LRU first
         self._lengths = np.zeros(slots, dtype=np.int64)  # bytes written (a short one: corrupt)
@@ -269,29 +267,39 @@ class ArenaStore(StorageBackend):
         self._check_batch(keys, host_blocks, checksums)
         if originals is not None:  # the same bytes where no peer can write them
             return self.put_from_scattered(keys, originals)
-        for i, (key, block) in enumerate(zip(keys, host_blocks)):
-            if self._header_ok(key):
-                continue  # immutable: the stored object stays (a corrupt one is replaced)
-            known = checksums[i] if checksums is not None else None
-            slot = self._take_slot()
-            self._blocks[slot].copy_(block)
-            header = self.format.header(key, [self._blocks[slot].numpy()], known)
-            self._object(slot)[:HEADER_BYTES] = header
-            self._publish(key, slot, self.object_bytes, sound=True)
-        return self._count_puts([True] * len(keys))
+        return self._put([[block.numpy()] for block in host_blocks], keys, checksums)
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
         self._check_scattered(keys, sources)
-        checksum = np.zeros(1, np.uint64)
-        for key, views in zip(keys, sources):
-            if self._header_ok(key):
-                continue
-            slot = self._take_slot()
-            payload = self._payloads[slot]
-            copy_scattered([payload], [views], to_pieces=False, hashes=checksum)  # one pass
-            header = self.format.header(key, [payload], int(checksum[0]))
-            self._object(slot)[:HEADER_BYTES] = header
-            self._publish(key, slot, self.object_bytes, sound=True)
+        return self._put(sources, keys, None)
+
+    def _put(self, sources, keys, checksums) -> list[bool]:
+        """Each key not stored yet: a slot, its payload copied from ``sources`` (pieces per
+        key) in one native call per part of the batch — hashed in the same pass unless
+        ``checksums`` gives every payload's XXH3-64 — then its header, then published. A part
+        holds at most a quarter of the slots: its slots are taken before any is published, and
+        a later part may evict an earlier one's objects, as one key after another would."""
+        todo = [i for i, key in enumerate(keys) if not self._header_ok(key)]
+        part = max(1, len(self._views) // 4)
+        for start in range(0, len(todo), part):
+            rows = todo[start : start + part]
+            slots = [self._take_slot() for _ in rows]
+            payloads = [self._payloads[slot] for slot in slots]
+            known = [None if checksums is None else checksums[i] for i in rows]
+            hashed = None in known
+            hashes = np.zeros(len(rows), np.uint64)
+            copy_scattered(
+                payloads,
+                [sources[i] for i in rows],
+                to_pieces=False,
+                hashes=hashes if hashed else None,
+            )
+            for j, (i, slot) in enumerate(zip(rows, slots)):
+                given = known[j]
+                checksum = int(hashes[j]) if given is None else int(given)
+                header = self.format.header(keys[i], [payloads[j]], checksum)
+                self._object(slot)[:HEADER_BYTES] = header
+                self._publish(keys[i], slot, self.object_bytes, sound=True)
         return self._count_puts([True] * len(keys))
 
     def delete(self, keys: Sequence[str]) -> int:
