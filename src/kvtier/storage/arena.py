@@ -274,11 +274,9 @@ class ArenaStore(StorageBackend):
         return self._put(sources, keys, None)
 
     def _put(self, sources, keys, checksums) -> list[bool]:
-        """Each key not stored yet: a slot, its payload copied from ``sources`` (pieces per
-        key) in one native call per part of the batch — hashed in the same pass unless
-        ``checksums`` gives every payload's XXH3-64 — then its header, then published. A part
-        holds at most a quarter of the slots: its slots are taken before any is published, and
-        a later part may evict an earlier one's objects, as one key after another would."""
+        """Copy each new key's payload from ``sources`` (pieces per key) into a slot, in one
+        native call per part (hashed on the way unless every checksum is given); then headers,
+        then publish. A part's slots are taken first: at most a quarter of them per part."""
         todo = [i for i, key in enumerate(keys) if not self._header_ok(key)]
         part = max(1, len(self._views) // 4)
         for start in range(0, len(todo), part):
@@ -286,19 +284,14 @@ class ArenaStore(StorageBackend):
             slots = [self._take_slot() for _ in rows]
             payloads = [self._payloads[slot] for slot in slots]
             known = [None if checksums is None else checksums[i] for i in rows]
-            hashed = None in known
             hashes = np.zeros(len(rows), np.uint64)
-            copy_scattered(
-                payloads,
-                [sources[i] for i in rows],
-                to_pieces=False,
-                hashes=hashes if hashed else None,
-            )
+            wanted = hashes if None in known else None  # every checksum given: no hashing
+            copy_scattered(payloads, [sources[i] for i in rows], to_pieces=False, hashes=wanted)
             for j, (i, slot) in enumerate(zip(rows, slots)):
-                given = known[j]
-                checksum = int(hashes[j]) if given is None else int(given)
-                header = self.format.header(keys[i], [payloads[j]], checksum)
-                self._object(slot)[:HEADER_BYTES] = header
+                checksum = int(hashes[j] if (given := known[j]) is None else given)
+                self._object(slot)[:HEADER_BYTES] = self.format.header(
+                    keys[i], [payloads[j]], checksum
+                )
                 self._publish(keys[i], slot, self.object_bytes, sound=True)
         return self._count_puts([True] * len(keys))
 
