@@ -120,3 +120,44 @@ def test_a_hashed_block_copy_of_whole_lines_hashes_as_xxh3(kind, length) -> None
     for b in range(blocks):
         block = b"".join(a.tobytes() for a in src[b * len(sizes) : (b + 1) * len(sizes)])
         assert int(hashes[b]) == xxhash.xxh3_64_intdigest(block)
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    backing = np.zeros(nbytes + 2 * 4 * KIB, dtype=np.uint8)
+    start = (-backing.ctypes.data) % (4 * KIB)
+    return backing[start : start + nbytes + 4 * KIB]
+
+
+@pytest.mark.parametrize("offset", [0, 64, 65, 2 * KIB, 4 * KIB - 64, 4 * KIB - 1])
+@pytest.mark.parametrize("length", [3 * KIB, 64 * KIB, (1 << 20) + 3 * 4 * KIB + 5 * 64])
+def test_a_source_at_any_page_offset(kind, offset, length) -> None:
+    """A copy walks the source's pages: the lines before its first page boundary go one by one,
+    then groups of pages (the last smaller), then the lines left. Every offset from a page,
+    a line's and a byte's, gives the same bytes and XXH3-64, hashed or not."""
+    rng = np.random.default_rng(offset + length)
+    backing = _page_aligned(length)
+    src = backing[offset : offset + length]
+    src[:] = rng.integers(0, 256, length, dtype=np.uint8)
+    out = _page_aligned(length)[:length]
+    _check([src], [[memoryview(out)]])
+    out[:] = 0
+    assert _copy.copy_scattered([src], [[memoryview(out)]], True, None, 1) == length
+    assert out.tobytes() == src.tobytes()
+
+
+def test_pieces_from_sources_at_different_page_offsets(kind) -> None:
+    """A save: each piece's source starts at its own offset from a page, and the hash follows
+    the pieces in order across the lines each copies one by one."""
+    rng = np.random.default_rng(6)
+    sizes, offsets = (20 * KIB, 64, 16 * KIB + 128, 9 * KIB), (64, 0, 3 * KIB, 4 * KIB - 128)
+    pieces = []
+    for n, offset in zip(sizes, offsets):
+        backing = _page_aligned(n)
+        backing[offset : offset + n] = rng.integers(0, 256, n, dtype=np.uint8)
+        pieces.append(backing[offset : offset + n])
+    whole = _page_aligned(sum(sizes))[: sum(sizes)]
+    hashes = np.zeros(1, dtype=np.uint64)
+    _copy.copy_scattered([whole], [[memoryview(p) for p in pieces]], False, hashes, 1)
+    expected = b"".join(p.tobytes() for p in pieces)
+    assert whole.tobytes() == expected
+    assert int(hashes[0]) == xxhash.xxh3_64_intdigest(expected)

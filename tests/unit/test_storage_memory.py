@@ -8,6 +8,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from kvtier import KVCacheSpec
 from kvtier.layout.checksum import payload_checksum
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
@@ -68,6 +69,29 @@ def test_the_bounded_memory_backend_preallocates_and_evicts_least_recently_used(
         assert spilled[0][1][64:] == bytes(
             expected_block(keys[1], CONTRACT_SPEC.block_bytes).numpy()
         )
+
+
+def test_payloads_start_on_pages_and_objects_read_back_header_first() -> None:
+    """Headers live apart from payloads, which start on pages (where blocks are whole pages:
+    copies walk whole source pages); an object still reads and writes as one range of bytes."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, block_size=16, head_dim=32, num_blocks=1)
+    assert spec.block_bytes % 4096 == 0
+    store = make_backend(spec, {"backend": "memory", "capacity_bytes": 3 * (spec.block_bytes + 64)})
+    keys = make_keys(2)
+    with HostPool(spec, 1) as pool, store:
+        assert [np.frombuffer(p, np.uint8).ctypes.data % 4096 for p in store._payloads] == [0] * 3
+        block = pool.block(0)
+        block.copy_(expected_block(keys[0], block.numel()))
+        assert store.put_from(keys[:1], [block]) == [True]
+        whole = store.read_object(keys[0])
+        assert whole is not None and len(whole) == 64 + spec.block_bytes
+        assert whole[64:] == bytes(block.numpy())
+        store.write_object(keys[1], whole[:40])  # shorter than a header
+        assert store.read_object(keys[1]) == whole[:40]
+        store.write_object(keys[1], whole)  # its header names keys[0]: corrupt under keys[1]
+        assert store.read_object(keys[1]) == whole
+        block.zero_()
+        assert store.get_into(keys, [block, pool.block(0)]) == [True, False]
 
 
 @pytest.mark.parametrize("known", [False, True], ids=["hashed-here", "checksums-given"])

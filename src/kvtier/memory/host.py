@@ -220,6 +220,21 @@ def check_memory_available(size_bytes: int, field: str) -> None:
         )
 
 
+PAGE_BYTES = 4096
+
+
+def page_aligned_slab(size_bytes: int, field: str, pin: bool | None = None) -> torch.Tensor:
+    """``size_bytes`` of host memory starting on a page, pre-touched (zeroed) and pinned where
+    CUDA is present (``pin``: None); ConfigError naming ``field`` when it would not fit."""
+    check_memory_available(size_bytes + PAGE_BYTES, field)
+    pinned = torch.cuda.is_available() if pin is None else pin
+    flat = torch.empty(size_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pinned)
+    start = -flat.data_ptr() % PAGE_BYTES
+    slab = flat[start : start + size_bytes]
+    _pre_touch(slab)
+    return slab
+
+
 def _pre_touch(flat: torch.Tensor) -> None:
     """Zero the slab chunk by chunk, logging progress every few seconds for a large pool."""
     total = flat.numel()

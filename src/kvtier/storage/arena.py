@@ -1,9 +1,9 @@
 """ArenaStore: the memory tier — objects in one preallocated slab of fixed slots, LRU.
 
 ``{"backend": "memory", "capacity_bytes": N}`` builds this store: ``N`` bytes are taken once
-at start as a ``HostPool`` of ``N // (64 + block_bytes)`` slots (pre-touched, so no save pays
-for page faults; pinned where CUDA is present, so a hit is one DMA away), each slot holding one
-object, ``[header | block]``. A save is one copy into a free slot (or the least recently used
+at start as ``N // (64 + block_bytes)`` slots (``ArenaMemory``: page-aligned payloads,
+pre-touched, pinned where CUDA is present), each slot holding one object, a header and a
+block. A save is one copy into a free slot (or the least recently used
 one: its object is handed to ``watch_spills`` first), a load one copy out of it; both check the
 object format exactly as every backend does — except the MAC of an object this store's own put
 wrote: the slab is this process's private memory, so its authorship is known, and a load of it
@@ -17,17 +17,17 @@ Slots being read are pinned: a save never reuses a slot while a load copies out 
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.memory.host import HostPool
 from kvtier.memory.scatter import copy_scattered
+from kvtier.storage.arena_memory import ArenaMemory
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES, Header, ObjectFormat
+from kvtier.storage.format import Header, ObjectFormat
 
 
 class ArenaStore(StorageBackend):
@@ -48,16 +48,13 @@ class ArenaStore(StorageBackend):
                 f"{capacity_bytes} bytes hold no object of {self.object_bytes} bytes",
             )
         self.capacity_bytes = slots * self.object_bytes
-        self._pool = HostPool(spec, slots)
-        self._views = [self._pool.object_view(i).numpy().data for i in range(slots)]
-        # Loads copy payloads out with ``copy_scattered``: a batch in one native call, hashed
-        # on the way.
-        self._payloads = [view[HEADER_BYTES:] for view in self._views]
+        self._memory = ArenaMemory(self.payload_bytes, slots)
+        self._payloads, self._headers = self._memory.payloads, self._memory.headers
         self._dropped: set[int] = set()  # unmapped while pinned: free once the reads end
         self._slots: OrderedDict[str, int] = OrderedDict()  # LRU first
         self._lengths = np.zeros(slots, dtype=np.int64)  # bytes written (a short one: corrupt)
         self._free = list(range(slots - 1, -1, -1))
-        self._pins: Counter[int] = Counter()
+        self._pins = [0] * slots  # reads in flight per slot
         self._sound: set[str] = set()  # objects whose header is known sound
         # Per slot whose object a put of this store wrote (not ``write_object``; None for those):
         # its header fields as parsed once at the put (key, format, fields). That object is in
@@ -72,9 +69,6 @@ class ArenaStore(StorageBackend):
         self._spill = listener
 
     # ---- slots --------------------------------------------------------------------------------
-
-    def _object(self, slot: int) -> memoryview:
-        return self._views[slot]
 
     def _release(self, slot: int) -> None:
         """``slot`` holds no key any more (under the lock): free now, or after its reads."""
@@ -96,7 +90,7 @@ class ArenaStore(StorageBackend):
                 self._sound.discard(victim)
                 # Its bytes are copied out only for a listener (a chain writing them down).
                 if self._spill is not None:
-                    data = bytes(self._object(slot)[: self._lengths[slot]])
+                    data = self._memory.read(slot, self._lengths[slot])
                 self._free.append(slot)
                 break
             slot = self._free.pop()
@@ -108,7 +102,7 @@ class ArenaStore(StorageBackend):
         return slot
 
     def _publish(self, key: str, slot: int, length: int, sound: bool) -> None:
-        header = self._object(slot)[:HEADER_BYTES]
+        header = self._headers[slot]
         parsed = self.format.parse(header, key, self.payload_bytes) if sound else None
         with self._lock:
             old = self._slots.pop(key, None)
@@ -135,7 +129,7 @@ class ArenaStore(StorageBackend):
             return cached[2]
         if self._lengths[slot] != self.object_bytes:
             raise ObjectCorrupt(f"object is {self._lengths[slot]} bytes, not {self.object_bytes}")
-        return self.format.parse(self._object(slot)[:HEADER_BYTES], key, self.payload_bytes)
+        return self.format.parse(self._headers[slot], key, self.payload_bytes)
 
     def _bad(self, key: str, error: ObjectCorrupt) -> None:
         self._corrupt(key, error)
@@ -167,15 +161,19 @@ class ArenaStore(StorageBackend):
             # Verified here: the copy hashes as it goes. Deferred: the caller's copy hashes.
             hashes = np.zeros(len(found), np.uint64) if checksums_out is None else None
             self._copy_out(found, [[t] for t in targets], hashes)
+            sums = None if hashes is None else hashes.tolist()
             for j, (i, slot, fields) in enumerate(found):
+                if headers_out is None and self._fields[slot] is not None:  # this store's put
+                    results[i] = _own_checked(self, keys[i], fields, sums, j, checksums_out, i)
+                    continue
                 try:
                     self.format.check_or_defer(
-                        self._object(slot)[:HEADER_BYTES],
+                        self._headers[slot],
                         targets[j].data,
                         keys[i],
                         checksums_out,
                         i,
-                        payload_hash=None if hashes is None else int(hashes[j]),
+                        payload_hash=None if sums is None else sums[j],
                         fields=fields,
                         mac=self._fields[slot] is None,
                         headers_out=headers_out,
@@ -196,16 +194,21 @@ class ArenaStore(StorageBackend):
                 go_on("before copying objects from memory into their targets")
             hashes = np.zeros(len(found), np.uint64)
             self._copy_out(found, targets[: len(found)], hashes)
+            sums = hashes.tolist()
             for j, (i, slot, fields) in enumerate(found):
+                if self._fields[slot] is not None:
+                    if not _own_checked(self, keys[i], fields, sums, j, None, i):
+                        break
+                    good += 1
+                    continue
                 try:
                     self.format.check(
-                        self._object(slot)[:HEADER_BYTES],
+                        self._headers[slot],
                         targets[i],
                         keys[i],
                         self.payload_bytes,
-                        payload_hash=int(hashes[j]),
-                        fields=fields,
-                        mac=self._fields[slot] is None,
+                        payload_hash=sums[j],
+                        fields=fields,  # not this store's put (above): its MAC is checked
                     )
                 except ObjectCorrupt as e:
                     self._bad(keys[i], e)
@@ -250,11 +253,9 @@ class ArenaStore(StorageBackend):
             for row in found:
                 slot = row[1]
                 self._pins[slot] -= 1
-                if not self._pins[slot]:
-                    del self._pins[slot]
-                    if slot in self._dropped:
-                        self._dropped.discard(slot)
-                        self._free.append(slot)
+                if not self._pins[slot] and slot in self._dropped:
+                    self._dropped.discard(slot)
+                    self._free.append(slot)
             self._lock.notify_all()
 
     def _copy_out(self, found, targets, hashes: np.ndarray | None) -> None:
@@ -278,7 +279,7 @@ class ArenaStore(StorageBackend):
         native call per part (hashed on the way unless every checksum is given); then headers,
         then publish. A part's slots are taken first: at most a quarter of them per part."""
         todo = [i for i, key in enumerate(keys) if not self._header_ok(key)]
-        part = max(1, len(self._views) // 4)
+        part = max(1, len(self._payloads) // 4)
         for start in range(0, len(todo), part):
             rows = todo[start : start + part]
             slots = [self._take_slot() for _ in rows]
@@ -289,9 +290,7 @@ class ArenaStore(StorageBackend):
             copy_scattered(payloads, [sources[i] for i in rows], to_pieces=False, hashes=wanted)
             for j, (i, slot) in enumerate(zip(rows, slots)):
                 checksum = int(hashes[j] if (given := known[j]) is None else given)
-                self._object(slot)[:HEADER_BYTES] = self.format.header(
-                    keys[i], [payloads[j]], checksum
-                )
+                self._headers[slot][:] = self.format.header(keys[i], [payloads[j]], checksum)
                 self._publish(keys[i], slot, self.object_bytes, sound=True)
         return self._count_puts([True] * len(keys))
 
@@ -316,7 +315,7 @@ class ArenaStore(StorageBackend):
         if slot is None:
             return None
         try:
-            return bytes(self._object(slot)[: self._lengths[slot]])
+            return self._memory.read(slot, self._lengths[slot])
         finally:
             self._unpin_all([(None, slot)])
 
@@ -325,8 +324,21 @@ class ArenaStore(StorageBackend):
             raise StorageError(f"an object of {len(data)} bytes does not fit a memory slot")
         self.delete([key])
         slot = self._take_slot()
-        self._object(slot)[: len(data)] = data
+        self._memory.write(slot, data)
         self._publish(key, slot, len(data), sound=False)
 
     def close(self) -> None:
-        self._pool.close()
+        self._memory.close()
+
+
+def _own_checked(store: ArenaStore, key: str, fields: Header, sums, j, checksums_out, i) -> bool:
+    """``check_or_defer`` of an object ``store``'s put wrote (header parsed then, no MAC to
+    check: see the module docstring), without a call per object: its checksum matched against
+    the copy's hash ``sums[j]``, or handed to ``checksums_out[i]``."""
+    if sums is None:
+        checksums_out[i] = fields.checksum
+        return True
+    if sums[j] == fields.checksum:
+        return True
+    store._bad(key, ObjectCorrupt("payload checksum mismatch"))
+    return False

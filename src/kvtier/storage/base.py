@@ -249,10 +249,12 @@ class StorageBackend(ABC):
         """See the module docstring; only where ``supports_scattered_reads``."""
         raise NotImplementedError(f"the {self.kind} backend writes from host blocks only")
 
-    def _check_scattered(self, keys: Sequence[str], targets) -> None:
+    def _check_scattered(self, keys: Sequence[str], targets, sizes: bool = True) -> None:
+        """``sizes=False``: the lengths only (a tier chain, whose first live tier is handed
+        every target and checks their sizes itself)."""
         if len(keys) != len(targets):
             raise StorageError(f"{len(keys)} keys but {len(targets)} targets")
-        for i, views in enumerate(targets):
+        for i, views in enumerate(targets if sizes else ()):
             if sum(map(len, views)) != self.payload_bytes:  # map: no Python frame per view
                 raise StorageError(f"target {i} holds {sum(map(len, views))} bytes")
 
@@ -306,8 +308,15 @@ class StorageBackend(ABC):
     # ---- helpers for implementations --------------------------------------------------------
 
     def _check_batch(
-        self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor], extra=None, headers=None
+        self,
+        keys: Sequence[str],
+        host_blocks: Sequence[torch.Tensor],
+        extra=None,
+        headers=None,
+        blocks: bool = True,
     ) -> None:
+        """``blocks=False``: the lengths only (a tier chain, whose first live tier is handed
+        every block and key and checks them itself)."""
         if len(keys) != len(host_blocks):
             raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
         if extra is not None and len(extra) != len(keys):
@@ -316,6 +325,8 @@ class StorageBackend(ABC):
             raise StorageError(
                 f"headers_out needs checksums_out and one entry per key ({len(keys)} keys)"
             )
+        if not blocks:
+            return
         for i, block in enumerate(host_blocks):
             if block.dtype != torch.uint8 or block.numel() != self.payload_bytes:
                 raise StorageError(

@@ -162,7 +162,7 @@ class TieredStore(StorageBackend):
     def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
         """Each block from the fastest tier that holds it; those from below promoted, unless
         the caller checks the bytes itself (``headers_out``: it calls ``promote`` after)."""
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+        self._check_batch(keys, host_blocks, checksums_out, headers_out, blocks=False)  # below
         results, below = [False] * len(keys), []
         todo = list(range(len(keys)))
         for level, tier in self._live():
@@ -195,9 +195,9 @@ class TieredStore(StorageBackend):
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         """Each block from the fastest tier that reads scattered and holds it; a block only the
         others hold ends the run (``reads_scattered_on_top``)."""
-        self._check_scattered(keys, targets)
         start, up = 0, self._live()
         live = [(level, t) for level, t in up if t.supports_scattered_reads]
+        self._check_scattered(keys, targets, sizes=not live)  # else by the first live tier
         while start < len(keys):
             for level, tier in live:
                 args = (keys[start:], targets[start:], go_on)
