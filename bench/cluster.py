@@ -62,6 +62,7 @@ COUNTERS = {
     "failed_tokens": "vllm:kvtier_failed_tokens_total",
     "load_bytes": "vllm:kvtier_load_bytes_total",
     "load_microseconds": "vllm:kvtier_load_microseconds_total",
+    "load_core_wait_microseconds": "vllm:kvtier_load_core_wait_microseconds_total",
 }
 
 A_COUNTERS = {

@@ -29,6 +29,7 @@ COUNTERS = {
     "failed_tokens": "tokens whose load failed and that vLLM recomputed (summed over ranks)",
     "load_bytes": "bytes loaded into vLLM's KV cache",
     "load_microseconds": "time kvtier workers spent loading (microseconds)",
+    "load_core_wait_microseconds": "of that, the loading threads' waits for a core (a busy host)",
     "saved_tokens": "tokens written to storage (summed over ranks)",
     "skipped_tokens": "tokens to save that were already stored: not written again (summed)",
     "save_bytes": "bytes written to storage",

@@ -187,7 +187,11 @@ class StepTransfers:
             result: t.Result = future.result()
             self._note_events(result)
             loaded = len(result.blocks)
-            self._count(load_bytes=result.bytes_moved, load_microseconds=int(result.seconds * 1e6))
+            self._count(
+                load_bytes=result.bytes_moved,
+                load_microseconds=int(result.seconds * 1e6),
+                load_core_wait_microseconds=int(result.cpu_wait_s * 1e6),
+            )
             if loaded == len(spec.block_ids):  # a full load: a sample of the store's speed
                 self._note_time(future, spec.per_tier())
             for tier, n in enumerate(spec.per_tier(loaded)):  # one backend: tier 0
