@@ -77,11 +77,8 @@ class HostPool:
         self.block_bytes = spec.block_bytes
         self.stride_bytes = HEADER_SLOT_BYTES + spec.block_bytes
         self.size_bytes = num_blocks * self.stride_bytes
-        check_memory_available(self.size_bytes, "num_host_blocks")
         self.pinned = torch.cuda.is_available() if pin is None else pin
-        flat = torch.empty(self.size_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        _pre_touch(flat)
-        self._set_flat(flat)
+        self._set_flat(page_aligned_slab(self.size_bytes, "num_host_blocks", self.pinned))
         log.info(
             "host pool: %d blocks x %d bytes = %.2f GiB%s",
             num_blocks,
@@ -94,7 +91,9 @@ class HostPool:
         self.flat = flat
         # [num_blocks, block_bytes] views of the payloads, and of [header slot | payload].
         self.slab = flat.as_strided(
-            (self.num_blocks, self.block_bytes), (self.stride_bytes, 1), HEADER_SLOT_BYTES
+            (self.num_blocks, self.block_bytes),
+            (self.stride_bytes, 1),
+            flat.storage_offset() + HEADER_SLOT_BYTES,  # as_strided counts from the storage
         )
         self.objects = flat.view(self.num_blocks, self.stride_bytes)
         self._checksums = np.zeros(self.num_blocks, dtype=np.uint64)

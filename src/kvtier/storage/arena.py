@@ -333,8 +333,8 @@ class ArenaStore(StorageBackend):
 
 def _own_checked(store: ArenaStore, key: str, fields: Header, sums, j, checksums_out, i) -> bool:
     """``check_or_defer`` of an object ``store``'s put wrote (header parsed then, no MAC to
-    check: see the module docstring), without a call per object: its checksum matched against
-    the copy's hash ``sums[j]``, or handed to ``checksums_out[i]``."""
+    check: see the module docstring), reduced to what is left: its checksum matched against the
+    copy's hash ``sums[j]``, or handed to ``checksums_out[i]``."""
     if sums is None:
         checksums_out[i] = fields.checksum
         return True

@@ -162,7 +162,7 @@ class TieredStore(StorageBackend):
     def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
         """Each block from the fastest tier that holds it; those from below promoted, unless
         the caller checks the bytes itself (``headers_out``: it calls ``promote`` after)."""
-        self._check_batch(keys, host_blocks, checksums_out, headers_out, blocks=False)  # below
+        self._check_batch(keys, host_blocks, checksums_out, headers_out, blocks=False)  # in a tier
         results, below = [False] * len(keys), []
         todo = list(range(len(keys)))
         for level, tier in self._live():
