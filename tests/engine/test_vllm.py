@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -29,14 +30,17 @@ def run(scenario: str, **args) -> dict[str, dict]:
     # server, they starved the rest of the machine for 10-25 s (TP2_ENV in the cluster test).
     if args.get("tp", 1) > 1:
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    out = subprocess.run(
-        [sys.executable, str(TESTS / "vllm_engine.py"), scenario, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=SCENARIO_TIMEOUT_S,
-        env=env,
-        cwd=TESTS,
-    )
+    # A TMPDIR of the engine's own, removed after: vLLM's multiprocess mode leaves its ipc
+    # sockets there (11 per TP=2 engine, without kvtier too), and the suite leaves nothing.
+    with tempfile.TemporaryDirectory(prefix="kvtier-engine-") as tmpdir:
+        out = subprocess.run(
+            [sys.executable, str(TESTS / "vllm_engine.py"), scenario, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=SCENARIO_TIMEOUT_S,
+            env={**env, "TMPDIR": tmpdir},
+            cwd=TESTS,
+        )
     phases = {}
     for line in out.stdout.splitlines():
         if line.startswith('{"phase"'):
