@@ -19,7 +19,7 @@ import pytest
 
 from conftest import require_mooncake, require_namespaces, require_vllm
 from kvtier.transport import auth
-from kvtier_bench.vllm_server import Server
+from kvtier_bench.vllm_server import Server, stop_all
 from netcheck import Namespaces, start_role
 
 BLOCK = 128
@@ -89,13 +89,12 @@ def cluster(model, tmp_path_factory):
                 list(pool.map(Server.wait_ready, engines.values()))
             yield {"net": net, "info": info, "roles": roles, **engines}
         finally:
-            for server in engines.values():
-                if server.process is not None and server.process.poll() is None:
-                    server.stop("group", signal.SIGKILL)
-                server.kill_marked()
-            for process in roles:
-                process.kill()
-                process.wait(30)
+            try:  # as Ctrl-C does: SIGKILLed, vLLM leaves its /dev/shm objects
+                stop_all(engines.values())
+            finally:
+                for process in roles:
+                    process.kill()
+                    process.wait(30)
 
 
 SAVES_BOUND_S = 180.0  # a saver's blocks stored, on a machine at load 10-40

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.ops import pd_proxy
-from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server
+from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server, stop_all
 
 # These servers check kvtier's bytes, not its policy: every stored prefix is loaded (on this test
 # model a prefill costs milliseconds, and on a busy machine the decision rightly declines loads).
@@ -63,10 +63,7 @@ def servers(model, tmp_path_factory):
             list(pool.map(Server.wait_ready, started.values()))
         yield started
     finally:
-        for server in started.values():
-            if server.process is not None and server.process.poll() is None:
-                server.stop("group", signal.SIGKILL)
-            server.kill_marked()
+        stop_all(started.values())  # as Ctrl-C does: SIGKILLed, vLLM leaves its /dev/shm objects
 
 
 def test_completions_are_vllms_and_hits_come_from_kvtier(servers) -> None:
