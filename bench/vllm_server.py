@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,8 @@ READY_TIMEOUT_S = 600.0  # a server starts in 20-66 s here, minutes beside a CPU
 REQUEST_TIMEOUT_S = 600.0  # one completion of a few thousand tokens on a busy 2-core machine
 STOP_TIMEOUT_S = 60.0  # vLLM's own shutdown, then kvtier's; seconds when the machine is quiet
 SHM_DIR = Path("/dev/shm")
+# vLLM's message queues' shared memory (Python's shared_memory) and their semaphores
+VLLM_QUEUE_PREFIXES = ("psm_", "sem.mp-")
 
 
 def free_port() -> int:
@@ -71,6 +74,7 @@ class Server:
     netns: str | None = None  # run inside this network namespace (``ip netns exec``; root)
     instance: str = field(default_factory=lambda: "srv" + uuid.uuid4().hex[:10])
     process: subprocess.Popen | None = None
+    vllm_left: list[str] = field(default_factory=list)  # vLLM's /dev/shm objects ``stop`` removed
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -243,6 +247,7 @@ class Server:
         seconds until every process it started — kvtier's included — is gone."""
         assert self.process is not None
         start = time.monotonic()
+        mapped = self.vllm_shm()
         if self.process.poll() is None:
             if how == "group":
                 os.killpg(self.process.pid, sig)
@@ -259,7 +264,48 @@ class Server:
         deadline = start + STOP_TIMEOUT_S
         while self.marked() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return time.monotonic() - start
+        took = time.monotonic() - start
+        if not self.marked():
+            self.vllm_left = _remove(mapped)
+        return took
+
+    def vllm_shm(self) -> set[Path]:
+        """vLLM's /dev/shm objects of this server (kvtier's are never among them: ``leftovers``
+        checks those). A CPU server at TP=2 leaves its TP communicator's (``vllm_dist_*``, 16
+        MiB) even when stopped cleanly, and a SIGKILLed one its message queues' (``psm_*``,
+        ``sem.mp-*``): ``stop`` removes those left and names them in ``vllm_left``.
+
+        Only this server's: the communicator's name is that of vLLM's rendezvous file in this
+        server's own TMPDIR (its log names it), the queues' are mapped by its processes."""
+        names: set[Path] = set()
+        rendezvous = re.escape(f"file://{self.tmpdir}/")
+        for ident in set(re.findall(rendezvous + r"(vllm_dist_[0-9a-f]+)\b", self.tail(10**7))):
+            names.update(SHM_DIR.glob(f"{ident}-*"))
+        for pid in self._tree():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            for line in maps.splitlines():
+                fields = line.split(None, 5)  # address perms offset dev inode [path]
+                path = fields[5] if len(fields) == 6 else ""
+                name = path.removeprefix(f"{SHM_DIR}/")
+                if name != path and name.startswith(VLLM_QUEUE_PREFIXES):
+                    names.add(Path(path.removesuffix(" (deleted)")))
+        return names
+
+    def _tree(self) -> list[int]:
+        """The server's process and its descendants (vLLM's processes retitle themselves, which
+        hides the mark in their environment)."""
+        import psutil
+
+        if self.process is None:
+            return []
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root.pid] + [p.pid for p in root.children(recursive=True)]
+        except psutil.Error:
+            return []
 
     def marked(self) -> list[int]:
         """Pids of live processes this server started (by the mark in their environment)."""
@@ -295,6 +341,17 @@ class Server:
                     found.append(str(path))
         found += [f"pid {pid}" for pid in self.marked()]
         return found
+
+
+def _remove(paths: set[Path]) -> list[str]:
+    removed = []
+    for path in sorted(paths):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            continue
+    return removed
 
 
 def stop_all(servers: Iterable[Server]) -> None:
