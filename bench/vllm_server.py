@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -21,18 +20,15 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier_bench.vllm_leftovers import SHM_DIR, remove, vllm_shm_of
+
 READY_TIMEOUT_S = 600.0  # a server starts in 20-66 s here, minutes beside a CPU hog
 REQUEST_TIMEOUT_S = 600.0  # one completion of a few thousand tokens on a busy 2-core machine
 STOP_TIMEOUT_S = 60.0  # vLLM's own shutdown, then kvtier's; seconds when the machine is quiet
-SHM_DIR = Path("/dev/shm")
-# vLLM's message queues' shared memory (Python's shared_memory) and their semaphores
-VLLM_QUEUE_PREFIXES = ("psm_", "sem.mp-")
 
 
 def free_port() -> int:
@@ -75,6 +71,7 @@ class Server:
     instance: str = field(default_factory=lambda: "srv" + uuid.uuid4().hex[:10])
     process: subprocess.Popen | None = None
     vllm_left: list[str] = field(default_factory=list)  # vLLM's /dev/shm objects ``stop`` removed
+    _seen: dict[int, float] = field(default_factory=dict, repr=False)  # pid: its start time
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -244,7 +241,8 @@ class Server:
 
     def stop(self, how: str = "group", sig: int = signal.SIGINT) -> float:
         """Signal the group (a terminal's Ctrl-C) or the API server alone (a service manager);
-        seconds until every process it started — kvtier's included — is gone."""
+        seconds until every process it started — kvtier's included — is gone. vLLM's own
+        shared memory that it leaves is then removed (``vllm_left``; ``vllm_leftovers``)."""
         assert self.process is not None
         start = time.monotonic()
         mapped = self.vllm_shm()
@@ -266,49 +264,35 @@ class Server:
             time.sleep(0.05)
         took = time.monotonic() - start
         if not self.marked():
-            self.vllm_left = _remove(mapped)
+            self.vllm_left = remove(mapped)
         return took
 
     def vllm_shm(self) -> set[Path]:
-        """vLLM's /dev/shm objects of this server (kvtier's are never among them: ``leftovers``
-        checks those). A CPU server at TP=2 leaves its TP communicator's (``vllm_dist_*``, 16
-        MiB) even when stopped cleanly, and a SIGKILLed one its message queues' (``psm_*``,
-        ``sem.mp-*``): ``stop`` removes those left and names them in ``vllm_left``.
-
-        Only this server's: the communicator's name is that of vLLM's rendezvous file in this
-        server's own TMPDIR (its log names it), the queues' are mapped by its processes."""
-        names: set[Path] = set()
-        rendezvous = re.escape(f"file://{self.tmpdir}/")
-        for ident in set(re.findall(rendezvous + r"(vllm_dist_[0-9a-f]+)\b", self.tail(10**7))):
-            names.update(SHM_DIR.glob(f"{ident}-*"))
-        for pid in self._tree():
-            try:
-                maps = Path(f"/proc/{pid}/maps").read_text()
-            except OSError:
-                continue
-            for line in maps.splitlines():
-                fields = line.split(None, 5)  # address perms offset dev inode [path]
-                path = fields[5] if len(fields) == 6 else ""
-                name = path.removeprefix(f"{SHM_DIR}/")
-                if name != path and name.startswith(VLLM_QUEUE_PREFIXES):
-                    names.add(Path(path.removesuffix(" (deleted)")))
-        return names
+        """vLLM's own /dev/shm objects of this server (``kvtier_bench.vllm_leftovers``)."""
+        return vllm_shm_of(self.tmpdir, self.tail(10**7), self._tree())
 
     def _tree(self) -> list[int]:
-        """The server's process and its descendants (vLLM's processes retitle themselves, which
-        hides the mark in their environment)."""
+        """The server's process and its descendants, remembered for ``marked``."""
         import psutil
 
         if self.process is None:
             return []
         try:
             root = psutil.Process(self.process.pid)
-            return [root.pid] + [p.pid for p in root.children(recursive=True)]
+            tree = [root, *root.children(recursive=True)]
         except psutil.Error:
             return []
+        for proc in tree:
+            try:
+                self._seen[proc.pid] = proc.create_time()
+            except psutil.Error:
+                continue
+        return [proc.pid for proc in tree]
 
     def marked(self) -> list[int]:
-        """Pids of live processes this server started (by the mark in their environment)."""
+        """Pids of live processes this server started: by the mark in their environment, and
+        those of its process tree seen before (``stop`` looks): vLLM's processes retitle
+        themselves, which overwrites the environment the mark is read from."""
         import psutil
 
         pids = []
@@ -319,6 +303,14 @@ class Server:
                 if alive and env.get("KVBENCH_SERVER_MARK") == self.mark:
                     pids.append(proc.pid)
             except (psutil.Error, OSError):
+                continue
+        for pid, created in self._seen.items():
+            try:
+                proc = psutil.Process(pid)
+                same = proc.create_time() == created  # not a new process under a reused pid
+                if same and proc.status() != psutil.STATUS_ZOMBIE and pid not in pids:
+                    pids.append(pid)
+            except psutil.Error:
                 continue
         return pids
 
@@ -341,36 +333,6 @@ class Server:
                     found.append(str(path))
         found += [f"pid {pid}" for pid in self.marked()]
         return found
-
-
-def _remove(paths: set[Path]) -> list[str]:
-    removed = []
-    for path in sorted(paths):
-        try:
-            path.unlink()
-            removed.append(path.name)
-        except FileNotFoundError:
-            continue
-    return removed
-
-
-def stop_all(servers: Iterable[Server]) -> None:
-    """Stop every server still running as Ctrl-C in its terminal does, all at once, then end
-    anything they started that is left. A SIGKILLed vLLM leaves its shared memory in /dev/shm
-    (``psm_*``, ``sem.mp-*``, at TP=2 16 MiB of ``vllm_dist_*``); stopped so, it leaves none.
-    A server that ignores Ctrl-C is SIGKILLed and its ``TimeoutError`` raised after the rest."""
-    servers = list(servers)
-    running = [s for s in servers if s.process is not None and s.process.poll() is None]
-    errors: list[BaseException] = []
-    if running:
-        with ThreadPoolExecutor(len(running)) as pool:
-            for future in [pool.submit(s.stop, "group", signal.SIGINT) for s in running]:
-                if future.exception() is not None:
-                    errors.append(future.exception())
-    for server in servers:
-        server.kill_marked()
-    if errors:
-        raise errors[0]
 
 
 @dataclass

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import require_mooncake, require_namespaces, require_vllm
 from kvtier.transport import auth
-from kvtier_bench.vllm_server import Server, stop_all
+from kvtier_bench.vllm_leftovers import stop_all
+from kvtier_bench.vllm_server import Server
 from netcheck import Namespaces, start_role
 
 BLOCK = 128

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.ops import pd_proxy
-from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server, stop_all
+from kvtier_bench.vllm_leftovers import stop_all
+from kvtier_bench.vllm_server import STOP_TIMEOUT_S, Router, Server
 
 # These servers check kvtier's bytes, not its policy: every stored prefix is loaded (on this test
 # model a prefill costs milliseconds, and on a busy machine the decision rightly declines loads).
