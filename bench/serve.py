@@ -51,6 +51,7 @@ COUNTERS = {
     "kvtier_declined_tokens": "vllm:kvtier_declined_tokens_total",
     "kvtier_unsaved_tokens": "vllm:kvtier_unsaved_tokens_total",
     "lookup_round_trips": "vllm:kvtier_lookup_round_trips_total",
+    "lookup_microseconds": "vllm:kvtier_lookup_microseconds_total",
     "save_tasks": "vllm:kvtier_save_tasks_total",
     "preemptions": "vllm:num_preemptions_total",
 }

@@ -494,6 +494,23 @@ def test_a_waiting_request_is_looked_up_once(connector, monkeypatch) -> None:
     assert round_trips(scheduler) == 1
 
 
+def test_a_lookup_counts_how_long_vllms_loop_waited_for_its_answer(connector) -> None:
+    """``lookup_microseconds``: each round trip's wait, within the call that made it; an ask
+    answered from a kept lookup adds nothing."""
+    scheduler, transfers, worker = connector
+    round_trips(scheduler)
+    waiting = request("w1", list(range(9000, 9000 + PROMPT)))
+    started = time.monotonic()
+    assert scheduler.get_num_new_matched_tokens(waiting, 0) == (0, False)
+    took_us = (time.monotonic() - started) * 1e6
+    counts = scheduler.build_connector_meta(step([], {})).lookup_counts
+    assert counts["lookup_round_trips"] == 1
+    assert 0 < counts["lookup_microseconds"] <= took_us
+    assert scheduler.get_num_new_matched_tokens(waiting, 0) == (0, False)  # the kept answer
+    counts = scheduler.build_connector_meta(step([], {})).lookup_counts
+    assert counts.get("lookup_round_trips", 0) == 0 and counts.get("lookup_microseconds", 0) == 0
+
+
 def test_a_steps_saves_go_to_the_worker_as_one_task(connector) -> None:
     scheduler, transfers, worker = connector
     reqs = [

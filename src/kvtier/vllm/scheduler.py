@@ -135,10 +135,11 @@ class SchedulerSide:
         answer = kept.reuse(first, last, now) if kept is not None else None
         if answer is None:  # vLLM asks again while the request waits: decided once
             stored, tiers = self._lookup(wanted)
+            waited_us = int((time.monotonic() - now) * 1e6)  # vLLM's scheduling loop waited
             worth = self.decide.blocks_to_load(stored, tiers)
             kept = _Lookup(first, last, stored, worth, tiers, now, self._in_step(worth, tiers))
             self._lookups[request.request_id] = kept
-            self._counts.update(lookup_round_trips=1)
+            self._counts.update(lookup_round_trips=1, lookup_microseconds=waited_us)
             if worth < stored:
                 self._counts.update(declined_tokens=(stored - worth) * bs)
             for h in wanted[stored:]:  # not stored (any more): a save may store it again

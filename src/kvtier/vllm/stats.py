@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS = {
     "lookups": "requests looked up in kvtier",
     "lookup_round_trips": "lookups sent to the kvtier workers (a waiting request's answer is kept)",
+    "lookup_microseconds": "time vLLM's scheduler waited for those lookups' answers (microseconds)",
     "requested_tokens": "prompt tokens looked up in kvtier",
     "found_tokens": "tokens kvtier holds on every rank (accepted hits)",
     "declined_tokens": "stored tokens not loaded: their recompute was estimated faster",
