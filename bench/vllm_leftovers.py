@@ -19,10 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.memory.shm import SHM_DIR
+
 if TYPE_CHECKING:
     from kvtier_bench.vllm_server import Server
 
-SHM_DIR = Path("/dev/shm")
 QUEUE_PREFIXES = ("psm_", "sem.mp-")  # vLLM's message queues and their semaphores
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier_bench.vllm_leftovers import SHM_DIR, remove, vllm_shm_of
+from kvtier.memory.shm import SHM_DIR
+from kvtier_bench.vllm_leftovers import remove, vllm_shm_of
 
 READY_TIMEOUT_S = 600.0  # a server starts in 20-66 s here, minutes beside a CPU hog
 REQUEST_TIMEOUT_S = 600.0  # one completion of a few thousand tokens on a busy 2-core machine
@@ -260,10 +261,10 @@ class Server:
                 f"vllm serve ignored {signal.Signals(sig).name}:\n{self.tail()}"
             ) from None
         deadline = start + STOP_TIMEOUT_S
-        while self.marked() and time.monotonic() < deadline:
+        while (alive := self.marked()) and time.monotonic() < deadline:
             time.sleep(0.05)
         took = time.monotonic() - start
-        if not self.marked():
+        if not alive:
             self.vllm_left = remove(mapped)
         return took
 
