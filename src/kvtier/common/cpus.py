@@ -47,10 +47,13 @@ def format_cpu_list(cores: set[int] | frozenset[int]) -> str:
 def run_on(cpu_cores: str | None) -> None:
     """Move this process — every thread it has (imports start some) and, by inheritance, every
     thread it starts later — to ``cores``; a warning, not a failure, where the system refuses
-    (a cpuset without them). None: stay where it started."""
-    if cpu_cores is None:
-        return
-    cores = parse_cpu_list(cpu_cores)
+    (a cpuset without them). None: stay where it started. Either way, then ``fit_threads``."""
+    if cpu_cores is not None:
+        _move_to(parse_cpu_list(cpu_cores))
+    fit_threads()
+
+
+def _move_to(cores: frozenset[int]) -> None:
     try:
         for task in os.listdir("/proc/self/task"):
             try:
@@ -64,3 +67,14 @@ def run_on(cpu_cores: str | None) -> None:
             e,
             format_cpu_list(frozenset(os.sched_getaffinity(0))),
         )
+
+
+def fit_threads() -> None:
+    """At most as many torch threads as this process has cores (kvtier's parallel copies start
+    as many). A worker started from a vLLM worker inherits its ``OMP_NUM_THREADS`` — that rank's
+    compute cores, 32 on a large server — while it runs on the one or two cores vLLM reserved."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    if torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)

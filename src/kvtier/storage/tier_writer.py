@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ObjectCorrupt, StorageUnavailable
-from kvtier.memory.host import HostPool
+from kvtier.memory.host import HostPool, copy_block
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.format import HEADER_BYTES
 
@@ -261,7 +261,7 @@ class LowerWriter:
             return blocks, None
         originals = [self._private.block(slot) for slot in slots]
         for block, mine in zip(blocks, originals):
-            block.copy_(mine)
+            copy_block(block, mine)
         return blocks, [[mine.numpy().data] for mine in originals]
 
     def _finish(self, done: dict[str, bool]) -> None:

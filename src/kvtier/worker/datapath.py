@@ -36,7 +36,7 @@ from kvtier.layout.block_ids import as_block_ids, check_block_ids, check_same_le
 from kvtier.layout.keys import KeyScheme
 from kvtier.memory.copier import BlockCopier, make_copier
 from kvtier.memory.device import DeviceCache
-from kvtier.memory.host import HostLayout, HostPool
+from kvtier.memory.host import HostLayout, HostPool, copy_block
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.file_io import zero
 from kvtier.transport.tasks import (
@@ -290,7 +290,7 @@ class DataPath:
             ids = self._save_staging[: src.size]
             with self._save_lock:
                 for s, d in zip(src.tolist(), ids.tolist()):
-                    self.host_pool.block(d).copy_(self.host_pool.block(s))
+                    copy_block(self.host_pool.block(d), self.host_pool.block(s))
                 ok += self._put_host_blocks(storage_keys[start : start + src.size], ids, src)
             if not all(ok):
                 break
@@ -313,7 +313,7 @@ class DataPath:
                 fetched = leading_true(self.storage.get_into(keys, blocks, sums, headers))
                 landed = [self.host_pool.block(d) for d in dst[:fetched].tolist()]
                 for block, mine in zip(blocks, landed):
-                    mine.copy_(block)
+                    copy_block(mine, block)
             pieces = [[b.numpy().data] for b in landed]
             good = check_copies(self.storage, keys, headers, pieces, scrub=zero).tolist()
             verified = leading_true(good)

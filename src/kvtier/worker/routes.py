@@ -47,7 +47,7 @@ import numpy as np
 from kvtier.errors import ObjectCorrupt
 from kvtier.memory.copier import BlockCopier, make_copier
 from kvtier.memory.device import DeviceCache
-from kvtier.memory.host import HostPool
+from kvtier.memory.host import HostPool, copy_block
 from kvtier.storage.base import GoOn, StorageBackend
 
 # ``GoOn``: called with where a task stands before device blocks are touched; raises
@@ -110,7 +110,7 @@ class StagedRoute:
             return self.host_pool.known_checksums(ids), None
         sums, originals = self.private_save.take_from_device(dev)
         for j, block in enumerate(blocks):
-            block.copy_(self.private_save.pool.block(j))
+            copy_block(block, self.private_save.pool.block(j))
         return sums, originals
 
     def fetch(
@@ -204,7 +204,7 @@ class PrivateBlocks:
 
     def taker(self, blocks) -> Callable[[int], object]:
         """Copies ``blocks[j]`` (a host block tensor) into block j, when called with j."""
-        return lambda j: self.pool.block(j).copy_(blocks[j])
+        return lambda j: copy_block(self.pool.block(j), blocks[j])
 
     def take_from_device(self, dev: np.ndarray) -> tuple[list, list[list[memoryview]]]:
         """Copy device blocks ``dev`` in (hashed on the way): their checksums and payloads."""
