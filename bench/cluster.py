@@ -18,8 +18,10 @@ each round with new prompts:
     single one's.
 (c) **Load bandwidth.** B's loads in (a) (bytes over the workers' load time) beside Mooncake's
     own ``batch_get_into`` of as many objects as one of B's loads, of the same size, from the
-    same node: timed on an idle machine, and timed while B serves unseen prompts — on a small
-    machine the get's receive copies compete for the CPU with the engine, as B's loads do.
+    same node: timed while B serves unseen prompts, in each round right after B's loads (on a
+    small machine the get's receive copies compete for the CPU with the engine, as B's loads
+    do; timed once after all rounds it read 0.40-0.96 GB/s from run to run, so each round's
+    loads are divided by their own round's get), and once on an idle machine.
 
 Servers start once (their start is minutes on a busy machine); rounds use fresh prompts.
 """
@@ -272,7 +274,8 @@ def report(args: argparse.Namespace) -> int:
 
 
 def measure(args, model: str, root: Path, cluster: Cluster):
-    """(shared rounds, P/D rounds, raw Mooncake GB/s: idle and beside B serving)."""
+    """(shared rounds, each with its raw Mooncake GB/s beside B serving; P/D rounds; raw
+    Mooncake GB/s on an idle machine)."""
     shared: list[dict] = []
     raw: dict[str, float] = {}
     if not args.skip_shared:
@@ -286,35 +289,40 @@ def measure_shared(args, model: str, root: Path, cluster: Cluster):
     progress("(a) engines A and B on the cluster")
     with running([a, b]):
         rounds = []
+        # One of B's loads: one prompt's blocks (when every prompt of the set is a hit).
+        objects = max(1, loadable(sessions(0, args)[0]) // BLOCK)
         for r in range(args.rounds):
             progress(f"  round {r + 1}/{args.rounds}")
             rounds.append(shared_round(args, a, b, r))
-        # One of B's loads: one prompt's blocks (every prompt of the set is a hit).
-        per_load = statistics.median(x["shared"]["loaded_tokens"] for x in rounds) / args.prompts
-        objects = max(1, round(per_load / BLOCK))
-        progress(f"(c) Mooncake's own get of {objects} objects, beside B serving, then idle")
-        raw = {"busy": raw_beside(b, args, cluster.storage, objects)}
-    raw["idle"] = raw_mooncake_gbps(cluster.storage, objects, args.raw_runs)
-    return rounds, raw
+            progress(f"  (c) Mooncake's own get of {objects} objects, beside B serving")
+            rounds[-1]["raw_busy_gbps"] = raw_beside(b, args, cluster.storage, objects, r)
+    progress(f"(c) Mooncake's own get of {objects} objects, idle machine")
+    return rounds, {"idle": raw_mooncake_gbps(cluster.storage, objects, args.raw_runs)}
 
 
-def raw_beside(srv: Server, args, storage: dict, objects: int) -> float:
-    """Mooncake's own get, timed while ``srv`` serves prompts nobody saw (computed there)."""
-    done = threading.Event()
+def raw_beside(srv: Server, args, storage: dict, objects: int, r: int) -> float:
+    """Mooncake's own get, timed while ``srv`` serves prompts nobody saw (computed there; round
+    ``r`` has tags of its own). Returns once ``srv`` stored their blocks, so that the next
+    round's loads do not run beside these saves."""
+    done, before, served = threading.Event(), srv.saves(), [0]
 
     def serve() -> None:
-        tag = 900
+        tag = 1000 + 100 * r
         while not done.is_set():
-            load.run(srv, sessions(tag, args), args.concurrency, args.output_tokens)
+            work = sessions(tag, args)
+            load.run(srv, work, args.concurrency, args.output_tokens)
+            served[0] += sum(loadable(s) for s in work) // BLOCK
             tag += 1
 
     busy = threading.Thread(target=serve, name="bench-cluster-busy", daemon=True)
     busy.start()
     try:
-        return raw_mooncake_gbps(storage, objects, args.raw_runs)
+        rate = raw_mooncake_gbps(storage, objects, args.raw_runs)
     finally:
         done.set()
         busy.join()
+    srv.wait_saved(served[0], before, SAVES_BOUND_S)
+    return rate
 
 
 def measure_pd(args, model: str, root: Path) -> list[dict]:

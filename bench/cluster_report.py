@@ -44,18 +44,15 @@ def rows_of(shared: list[dict], pd: list[dict], raw: dict[str, float]) -> list[d
     # whose cores the engines did not take from them.
     own_s = [(x["load_microseconds"] - x.get("load_core_wait_microseconds", 0)) / 1e6 for x, _ in s]
     own_gbps = [gbps(int(x["load_bytes"]), t) if t > 0 else None for (x, _), t in zip(s, own_s)]
+    busy = [r.get("raw_busy_gbps") for r in shared]  # each round's own get beside B serving
     rows = [
         row("B with A's prefixes / B alone", "TTFT mean (s)", _pairs(s, "ttft_mean_s")),
         row("B with A's prefixes / B alone", "TTFT p50 (s)", _pairs(s, "ttft_p50_s"), "<= 0.3"),
         row("B with A's prefixes / B alone", "TTFT p99 (s)", _pairs(s, "ttft_p99_s")),
         row("B with A's prefixes / B alone", "requests/s", _pairs(s, "requests_per_s")),
         row("B loads / raw get, idle machine", "GB/s", [(g, raw.get("idle")) for g in load_gbps]),
-        row("B loads / raw get, B serving", "GB/s", [(g, raw.get("busy")) for g in load_gbps]),
-        row(
-            "B loads less core waits / raw get, B serving",
-            "GB/s",
-            [(g, raw.get("busy")) for g in own_gbps],
-        ),
+        row("B loads / raw get, B serving", "GB/s", list(zip(load_gbps, busy))),
+        row("B loads less core waits / raw get, B serving", "GB/s", list(zip(own_gbps, busy))),
         row("P/D consumer / single", "TTFT p50 (s)", _pd(pd, "consumer"), "<= 0.3"),
         row("P/D producer + consumer / single", "TTFT p50 (s)", _pd(pd, "pd")),
     ]
