@@ -29,6 +29,7 @@ Servers start once (their start is minutes on a busy machine); rounds use fresh 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -54,6 +55,8 @@ BLOCK = 128  # vLLM's block size on CPU: what a hit can cover
 # looks them up once they are stored, or after this bound (a save declined or lost: the checks
 # line says which).
 SAVES_BOUND_S = 30.0
+# Before Mooncake's own gets beside B: B's first prompts reach its engine (HTTP, scheduling).
+BUSY_SETTLE_S = 0.3
 # vLLM's workers spin-wait on their cores for a second after every step (shm_broadcast's
 # busy_loop_s): a server timed right after another one ran on shared cores pays for its spin.
 SPIN_SETTLE_S = 1.5
@@ -302,25 +305,33 @@ def measure_shared(args, model: str, root: Path, cluster: Cluster):
 
 def raw_beside(srv: Server, args, storage: dict, objects: int, r: int) -> float:
     """Mooncake's own get, timed while ``srv`` serves prompts nobody saw (computed there; round
-    ``r`` has tags of its own). Returns once ``srv`` stored their blocks, so that the next
-    round's loads do not run beside these saves."""
-    done, before, served = threading.Event(), srv.saves(), [0]
+    ``r`` has tags of its own). ``srv`` serves only while the gets are timed (before, its saves
+    of prompts served during the child's start filled the node), and this returns once it
+    stored their blocks, so that the next round's loads do not run beside these saves."""
+    before, served = srv.saves(), [0]
 
-    def serve() -> None:
-        tag = 1000 + 100 * r
-        while not done.is_set():
-            work = sessions(tag, args)
-            load.run(srv, work, args.concurrency, args.output_tokens)
-            served[0] += sum(loadable(s) for s in work) // BLOCK
-            tag += 1
+    @contextlib.contextmanager
+    def serving():
+        done = threading.Event()
 
-    busy = threading.Thread(target=serve, name="bench-cluster-busy", daemon=True)
-    busy.start()
-    try:
-        rate = raw_mooncake_gbps(storage, objects, args.raw_runs)
-    finally:
-        done.set()
-        busy.join()
+        def serve() -> None:
+            tag = 1000 + 100 * r
+            while not done.is_set():
+                work = sessions(tag, args)
+                load.run(srv, work, args.concurrency, args.output_tokens)
+                served[0] += sum(loadable(s) for s in work) // BLOCK
+                tag += 1
+
+        busy = threading.Thread(target=serve, name="bench-cluster-busy", daemon=True)
+        busy.start()
+        time.sleep(BUSY_SETTLE_S)
+        try:
+            yield
+        finally:
+            done.set()
+            busy.join()
+
+    rate = raw_mooncake_gbps(storage, objects, args.raw_runs, serving)
     srv.wait_saved(served[0], before, SAVES_BOUND_S)
     return rate
 

@@ -4,17 +4,23 @@ Mooncake's own batch API, the fastest plain copy in memory; and the Mooncake sto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kvtier.storage import file_io, make_backend
 from kvtier_bench.common import gbps, median_seconds
+
+RAW_CHILD_TIMEOUT_S = 600  # a raw get's child: start, put, 15 gets; minutes only when stuck
 
 
 class RawFiles:
@@ -124,28 +130,55 @@ def mooncake_store(args, spec, n: int, remote: bool):
         raise
 
 
-def raw_mooncake_gbps(storage: dict, objects: int, runs: int) -> float:
+def raw_mooncake_gbps(
+    storage: dict, objects: int, runs: int, beside: Callable[[], Any] | None = None
+) -> float:
     """Mooncake's own batch get of ``objects`` objects of one block of ``kvtier bench
     cluster``'s model from the node of ``storage``, through one client, in a child process
     started with kvtier's bind guard (its transfer engine listens on loopback only, as the
-    engines' do)."""
+    engines' do). ``beside``: a context manager entered once the child is set up (started,
+    connected, its objects put) and left when its gets are timed — what they run beside."""
     from kvtier.storage.mooncake_setup import process_environment
 
     storage = {k: v for k, v in storage.items() if k != "mac_key_file"}
     env = {**os.environ, **process_environment(storage), "GLOG_minloglevel": "2"}
     code = "import sys; from kvtier_bench.storage_raw import raw_get; raw_get(sys.argv[1])"
     params = json.dumps({"storage": storage, "objects": objects, "runs": runs})
-    out = subprocess.run(
-        [sys.executable, "-c", code, params], env=env, capture_output=True, text=True, timeout=600
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"the raw Mooncake get failed:\n{out.stderr[-3000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryFile("w+") as errors:
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, params],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        watchdog = threading.Timer(RAW_CHILD_TIMEOUT_S, child.kill)  # a child that hangs
+        watchdog.start()
+        try:
+            assert child.stdin is not None and child.stdout is not None
+            ready = child.stdout.readline().strip() == "ready"
+            if ready:
+                with beside() if beside is not None else contextlib.nullcontext():
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    timed = child.stdout.readline()
+            child.wait()
+        finally:
+            watchdog.cancel()
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if not ready or child.returncode != 0:
+            errors.seek(0)
+            raise RuntimeError(f"the raw Mooncake get failed:\n{errors.read()[-3000:]}")
+    return float(timed.strip())
 
 
 def raw_get(params_json: str) -> None:
-    """(In the child.) Prints the GB/s of ``batch_get_into``: fp32, 4 layers x K|V x 4 heads
-    x 128 tokens x 64 — one block of the bench's model, the size of each kvtier object."""
+    """(In the child.) Puts the objects, says "ready", waits for "go" on stdin, then prints the
+    GB/s of ``batch_get_into``: fp32, 4 layers x K|V x 4 heads x 128 tokens x 64 — one block of
+    the bench's model, the size of each kvtier object."""
     import torch
 
     from kvtier import HostPool, KVCacheSpec
@@ -163,11 +196,13 @@ def raw_get(params_json: str) -> None:
             raw = RawMooncake(store._store, spec, pool, objects)
             keys = [f"bench-cluster-raw-{i}" for i in range(objects)]
             raw.put(keys)
+            print("ready", flush=True)
+            sys.stdin.readline()
             seconds = median_seconds(lambda: raw.get(keys), params["runs"])
+            print(gbps(objects * spec.block_bytes, seconds), flush=True)
             raw.remove(keys)
         finally:
             store.close()
-    print(gbps(objects * spec.block_bytes, seconds))
 
 
 def best_limit(timings: dict) -> tuple[str, Any, dict]:
