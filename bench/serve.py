@@ -52,6 +52,7 @@ COUNTERS = {
     "kvtier_unsaved_tokens": "vllm:kvtier_unsaved_tokens_total",
     "lookup_round_trips": "vllm:kvtier_lookup_round_trips_total",
     "lookup_microseconds": "vllm:kvtier_lookup_microseconds_total",
+    "lookups_skipped": "vllm:kvtier_lookups_skipped_total",
     "save_tasks": "vllm:kvtier_save_tasks_total",
     "preemptions": "vllm:num_preemptions_total",
 }

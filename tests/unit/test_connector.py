@@ -32,6 +32,7 @@ from vllm.v1.request import Request  # noqa: E402
 import kvtier.vllm.scheduler as scheduler_module  # noqa: E402
 from kvtier.engine.client import Client  # noqa: E402
 from kvtier.transport import tasks as t  # noqa: E402
+from kvtier.vllm import decide  # noqa: E402
 from kvtier.vllm.decide import LoadOrRecompute  # noqa: E402
 from kvtier.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.vllm.settings import ConnectorSettings  # noqa: E402
@@ -424,6 +425,28 @@ def test_a_store_slower_than_recompute_is_declined_from_measured_loads(connector
         assert saves == [[6], []] and counts["unsaved_tokens"] == 6 * BS
     else:
         assert saves == [[6], [6]] and "unsaved_tokens" not in counts
+
+
+def test_no_lookup_while_every_hit_would_be_declined_but_for_a_probe(connector) -> None:
+    """A store whose loads cost 1 s before their first byte, an engine that recomputes in
+    microseconds: no stored prefix of any length would be loaded, so no lookup makes vLLM's
+    loop wait (``lookups_skipped``) — until the store is due for a probe."""
+    scheduler, transfers, worker = connector
+    tokens = list(range(6500, 6500 + PROMPT))
+    compute_and_save(scheduler, transfers, request("r0", tokens), list(range(0, 7)))
+    for i in range(20):  # the engine's steps, back to back as in a running engine
+        scheduler.build_connector_meta(step([], {"busy": 64 * (1 + i % 3)}))
+    for n in (2, 4, 8):
+        scheduler.decide.loaded(n, 1.0 + 0.001 * n)
+    round_trips(scheduler)
+    assert scheduler.get_num_new_matched_tokens(request("r1", tokens), 0) == (0, False)
+    counts = scheduler.build_connector_meta(step([], {})).lookup_counts
+    assert counts["lookups_skipped"] == 1 and counts["requested_tokens"] == 6 * BS
+    assert "lookup_round_trips" not in counts
+    scheduler.decide.store.at -= decide.PROBE_S  # due for a probe: looked up and loaded
+    assert scheduler.get_num_new_matched_tokens(request("r2", tokens), 0) == (6 * BS, True)
+    counts = scheduler.build_connector_meta(step([], {})).lookup_counts
+    assert counts["lookup_round_trips"] == 1 and "lookups_skipped" not in counts
 
 
 def test_a_lost_worker_costs_a_recompute_never_a_hang(connector) -> None:

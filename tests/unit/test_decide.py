@@ -275,3 +275,48 @@ def test_a_load_shorter_than_a_step_runs_within_it_and_a_longer_one_asynchronous
     _engine(slow_steps, 1e-2)  # 1.3-3.8 s steps: still, at most SYNC_MAX_S in a step
     _tiers(slow_steps, [decide.SYNC_MAX_S / 4])
     assert slow_steps.load_in_step(4) and not slow_steps.load_in_step(5)
+
+
+def test_no_lookup_while_every_hit_would_be_declined_but_for_probes() -> None:
+    """``worth_looking_up``: False only when each tier's load of 1 to n blocks is declined and
+    no tier is due for a probe; anything not measured (the engine, a tier) is looked up."""
+    d = LoadOrRecompute(BS)
+    assert d.worth_looking_up(32)  # nothing measured
+    _tiers(d, [0.2])  # 200 ms per block: 12x slower than recompute (below)
+    assert d.worth_looking_up(32)  # the engine not measured yet
+    _engine(d, 1e-3)  # 16 ms per block
+    now = d.store.at
+    assert not d.worth_looking_up(32, now=now + 1)
+    assert not d.worth_looking_up(1, now=now + 1)
+    assert d.worth_looking_up(32, now=now + decide.PROBE_S)  # a probe is due
+    assert d.blocks_to_load(32, now=now + decide.PROBE_S) == 32  # ...and taken by the lookup
+    assert not d.worth_looking_up(32, now=now + decide.PROBE_S + 1)
+    assert d.worth_looking_up(32, tier_count=2, now=now + 1)  # a second tier, not measured
+    assert LoadOrRecompute(BS, enabled=False).worth_looking_up(32)
+
+
+def test_a_lookup_is_worth_it_where_some_tier_or_length_could_pay() -> None:
+    fixed = LoadOrRecompute(BS)
+    _engine(fixed, 1e-3)  # 16 ms per block
+    for n in (4, 16, 64):
+        fixed.loaded(n, 0.5 + 0.001 * n)  # 0.5 s to start, then 1 ms per block
+    now = fixed.store.at + 1
+    assert not fixed.worth_looking_up(8, now=now)  # 0.508 s against 0.128 s
+    assert fixed.worth_looking_up(64, now=now)  # 0.564 s against 1.024 s: a long prompt pays
+    chain = LoadOrRecompute(BS)
+    _engine(chain, 1e-3)
+    _tiers(chain, [0.0005, 0.2])  # memory in front of a slow store
+    assert chain.worth_looking_up(32, tier_count=2, now=chain.tiers[1].at + 1)
+
+
+def test_a_slow_saves_floor_stops_lookups_until_a_fast_save_lifts_it(monkeypatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(decide.time, "monotonic", lambda: clock[0])
+    d = LoadOrRecompute(BS)
+    _engine(d, 1e-3)
+    assert d.worth_looking_up(14)  # the store not measured: a load would learn it
+    d.saved(5, 2.0)  # 400 ms per block of the worker's own time
+    clock[0] += 10 * decide.FLOOR_S
+    assert not d.worth_looking_up(14)
+    d.saved(5, 0.01)  # a save probe answered quickly: the store is fast again
+    assert d.worth_looking_up(14)

@@ -14,7 +14,8 @@
   a load fails, vLLM resets the connector's cache (``reset_cache``: after a weight update) or
   ``LOOKUP_REUSE_S`` passes.
 - Load or recompute (``kvtier.vllm.decide``): a hit whose load is estimated slower than its
-  recompute, from measured rates, is declined (``load_or_recompute``; ``declined_tokens``).
+  recompute, from measured rates, is declined (``load_or_recompute``; ``declined_tokens``);
+  while any hit would be, requests are not looked up at all (``lookups_skipped``).
 - Deduplication: while a load of some blocks is in flight, a request that needs the same blocks
   waits (``None``) and then hits them in vLLM's own prefix cache, so each object is loaded once;
   a block hash submitted for saving is not submitted again.
@@ -39,6 +40,7 @@ from typing import Any
 
 from kvtier.engine.client import Client
 from kvtier.errors import KvtierError
+from kvtier.storage import parse_storage
 from kvtier.vllm.decide import IN_STEP_WAIT_S, LoadOrRecompute
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.worker.config import endpoint_for
@@ -116,6 +118,8 @@ class SchedulerSide:
         self._sync_loaded: list[LoadSpec] = []
         self._broken = False
         self.decide = LoadOrRecompute(block_size, settings.load_or_recompute)
+        # The store's tiers, as the workers were launched with them (the default: one).
+        self.tier_count = len(parse_storage(settings.storage).backends)
 
     # ---- lookup -----------------------------------------------------------------------------
 
@@ -133,6 +137,11 @@ class SchedulerSide:
         now = time.monotonic()
         kept = self._lookups.get(request.request_id)
         answer = kept.reuse(first, last, now) if kept is not None else None
+        if answer is None and not self.decide.worth_looking_up(len(wanted), self.tier_count):
+            # Any answer would be declined (a slow store): vLLM's loop does not wait for one.
+            self._pending_load.pop(request.request_id, None)
+            self._counts.update(lookups=1, lookups_skipped=1, requested_tokens=len(wanted) * bs)
+            return 0, False
         if answer is None:  # vLLM asks again while the request waits: decided once
             stored, tiers = self._lookup(wanted)
             waited_us = int((time.monotonic() - now) * 1e6)  # vLLM's scheduling loop waited

@@ -22,6 +22,7 @@ COUNTERS = {
     "lookups": "requests looked up in kvtier",
     "lookup_round_trips": "lookups sent to the kvtier workers (a waiting request's answer is kept)",
     "lookup_microseconds": "time vLLM's scheduler waited for those lookups' answers (microseconds)",
+    "lookups_skipped": "requests not looked up: any hit would be declined (load_or_recompute)",
     "requested_tokens": "prompt tokens looked up in kvtier",
     "found_tokens": "tokens kvtier holds on every rank (accepted hits)",
     "declined_tokens": "stored tokens not loaded: their recompute was estimated faster",
