@@ -60,6 +60,8 @@ class StepTransfers:
     # ---- each step --------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
+        if not meta.loads and not meta.lookup_counts:
+            return  # most steps: called on vLLM's step path, so nothing is done for nothing
         if self.rank == 0 and meta.lookup_counts:
             self._count(**meta.lookup_counts)  # the scheduler's counts, reported once
         sync = []
@@ -121,6 +123,9 @@ class StepTransfers:
         self, finished_req_ids: set[str], idle: bool = False
     ) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) request ids."""
+        fenced = self._saves or self._in_step
+        if not self._loads and not self._finished and not (finished_req_ids and fenced):
+            return set(), set()  # most steps: nothing in flight that a request waits for
         if idle and self._loads:
             # Nothing else to run this step: wait for a load here instead of letting vLLM spin
             # through empty steps (the spin takes the CPU the kvtier worker is loading with).
@@ -131,7 +136,7 @@ class StepTransfers:
             future, spec = self._loads.pop(req_id)
             self._account_load(future, spec)
         # Fenced by the scheduler side: those with saves, and those that loaded within a step.
-        self._finished |= finished_req_ids & (set(self._saves) | set(self._in_step))
+        self._finished |= {r for r in finished_req_ids if r in self._saves or r in self._in_step}
         sending = set()
         for req_id in list(self._finished):
             load = self._in_step.get(req_id)
@@ -150,6 +155,8 @@ class StepTransfers:
     def worker_meta(self) -> KvtierWorkerMetadata | None:
         """Block hashes that failed to load (the scheduler side saves them again) and the
         transfers' times (its load-or-recompute estimates)."""
+        if not (self._failed_hashes or self._load_times or self._save_times or self._unanswered):
+            return None  # most steps (read unlocked: news that lands now goes with the next)
         with self._stats_lock:
             loads, self._load_times = self._load_times, []
             saves, self._save_times = self._save_times, []
@@ -164,6 +171,8 @@ class StepTransfers:
         return meta
 
     def take_stats(self) -> KvtierConnectorStats | None:
+        if self.stats.is_empty():
+            return None  # most steps (read unlocked: counts that land now go with the next)
         with self._stats_lock:
             if self.stats.is_empty():
                 return None
