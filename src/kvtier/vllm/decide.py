@@ -44,8 +44,8 @@ of saves, or its CPU, still says nothing.
 **No lookup that cannot pay**: while every tier of the store is declined for any length of the
 prompt and none is due for a probe, a request is not looked up at all (``worth_looking_up``;
 ``lookups_skipped``): the answer could only be declined, and vLLM's scheduling loop — every
-running request — would wait for it (a 112-block lookup of the file store reads 112 headers:
-about 1 ms idle, 2 ms under ``vllm serve`` on 2 cores). Probes and the save probes go on as
+running request — would wait for it (a lookup's round trip took 1-2.5 ms under ``vllm serve``
+on 2 cores, the worker's own part 0.3-0.5 ms of it). Probes and the save probes go on as
 above, so a store that recovers is noticed as before. It takes a fixed cost to decline every
 length: a load estimated under ``MIN_DECLINE_S`` is taken, so a store known only by a rate (a
 slow save's floor, loads of one size) is still looked up — its answer may be one block.
