@@ -46,9 +46,9 @@ prompt and none is due for a probe, a request is not looked up at all (``worth_l
 ``lookups_skipped``): the answer could only be declined, and vLLM's scheduling loop — every
 running request — would wait for it (a lookup's round trip took 1-2.5 ms under ``vllm serve``
 on 2 cores, the worker's own part 0.3-0.5 ms of it). Probes and the save probes go on as
-above, so a store that recovers is noticed as before. It takes a fixed cost to decline every
-length: a load estimated under ``MIN_DECLINE_S`` is taken, so a store known only by a rate (a
-slow save's floor, loads of one size) is still looked up — its answer may be one block.
+above, so a store that recovers is noticed as before. A load estimated under ``MIN_DECLINE_S``
+is always taken, so a store known only by a rate (a slow save's floor, loads of one size) is
+still looked up while one block of it is estimated under that: its answer may be one block.
 
 **Within the step or not** (``load_mode: auto``, the default): a load estimated shorter than
 a step (a moving average of the time between steps) and than ``SYNC_MAX_S`` runs within the
