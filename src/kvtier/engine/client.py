@@ -37,6 +37,7 @@ from kvtier.worker.config import START_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+BLOCKED_REPORT_FRESH = 3  # a blocked save's report counts for this many heartbeat intervals
 WORKER_TIMEOUT_S = 5.0
 TASK_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 30.0
@@ -263,6 +264,14 @@ class Client:
         future = self.submit(t.Control(method=method, args=args), timeout_s)
         result: t.Result = future.result()
         return ControlAnswer(result.code, result.message, future.per_rank)
+
+    def blocked_save(self) -> tuple[int, float] | None:
+        """(blocks, seconds) of the save blocked longest on its store, over ranks, as their
+        latest heartbeats tell (``Heartbeat.save_blocked_s``); None when none is."""
+        fresh = time.monotonic() - BLOCKED_REPORT_FRESH * self.heartbeat_interval_s
+        reports = [r.save_blocked for r in self._ranks if r.save_blocked[2] >= fresh]
+        blocks, seconds, _ = max(reports, key=lambda rep: rep[1], default=(0, 0.0, 0.0))
+        return (blocks, seconds) if blocks > 0 and seconds > 0 else None
 
     def ping(self, timeout_s: float = 5.0) -> float:
         """Round trip of a heartbeat to every rank (the raw transport latency), in seconds."""

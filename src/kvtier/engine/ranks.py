@@ -36,6 +36,8 @@ class Rank:
     pid: int = 0  # the worker process that first welcomed this client
     exited_at: float = 0.0
     last_hello: float = 0.0
+    # Its running save's (blocks, seconds blocked on the store, when heard): Heartbeat
+    save_blocked: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def check(self, now: float, failed_handshakes: int, worker_timeout_s: float) -> Loss | None:
         """Why this rank is lost now, if it is: its process exited (after a grace period for

@@ -247,6 +247,7 @@ class Supervisor:
             self._on_heartbeat(r, message)
 
     def _on_heartbeat(self, r: Rank, beat: t.Heartbeat) -> None:
+        r.save_blocked = (beat.save_blocks, beat.save_blocked_s, time.monotonic())
         ping = self._ping
         if ping is not None and beat.sent_at == ping[0]:
             _, event, waiting = ping

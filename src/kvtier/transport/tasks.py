@@ -159,6 +159,11 @@ class Hello(_Message, tag="hello", frozen=True, kw_only=True):
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True, kw_only=True):
     sent_at: float
+    # A worker's echo: its running save, once blocked on its store (neither running nor waiting
+    # for a core) for ``save_blocked_s`` — a slow store shown before the save is answered
+    # (``kvtier.vllm.decide``); 0 when no save runs or it is not blocked.
+    save_blocked_s: float = 0.0
+    save_blocks: int = 0
 
 
 class Shutdown(_Message, tag="shutdown", frozen=True, kw_only=True):

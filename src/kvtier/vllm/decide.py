@@ -3,83 +3,114 @@ to load than to compute again.
 
 A slow store (a cluster behind a congested link, a disk under other load, a tier that is
 failing) makes a hit slower than no hit: the request waits for its load while the engine could
-have prefilled those tokens in less time. The scheduler side keeps running estimates and loads
-only what pays:
+have prefilled those tokens in less time. The scheduler side keeps estimates and loads only
+what pays. Each estimate is built so that noise cannot switch a fast store off:
 
-- **each tier of the store**: load time of ``n`` blocks from tier ``i``, ``t = a_i + b_i·n``
-  (a least-squares fit with exponential forgetting), from kvtier's own transfers: each load's
-  time from submission to its answer, as the vLLM worker sides saw it, with the tier of each
-  block its lookup named (``Result.tiers``; one backend is one tier). A load that spans tiers
-  is a sample of its slowest tier, less what the others' estimates say their blocks took.
-- **the engine**: prefill time per token ``c``, the slope of step time over scheduled tokens,
-  from the time between two scheduler steps (steps of at least ``MIN_STEP_TOKENS`` only:
-  decode-only steps say little about prefill).
+- **each tier of the store**: load time of ``n`` blocks, ``t = a_i + b_i·n``, from its last
+  ``WINDOW_SAMPLES`` loads within ``WINDOW_S`` (``RobustFit``): ``b`` the median of the slopes
+  between loads of sizes at least 1.5x apart, ``a`` the median of ``t - b·n``; where sizes do not
+  spread (or the line is negative), ``a = 0`` and ``b`` the median time per block. A median
+  ignores a few stalls — up to 7 of 16 loads 10x slow move nothing — where a mean of ~5 samples
+  (the fit before) was moved by two. Samples are kvtier's own transfers: each load's time from
+  submission to its answer, as the vLLM worker sides saw it, with the tier of each block its
+  lookup named (``Result.tiers``). A load that spans tiers is a sample of its slowest tier,
+  less what the others' estimates say their blocks took.
+- **the engine** (``EngineRate``): the prefill cost of a token, ``c``, from the time between
+  scheduler steps less kvtier's own waits in them (lookups, loads within the step): over the
+  last ``STEP_WINDOW`` prefill steps, the mean of the middle half (``middle_mean``) of
+  ``(t - t₀) / (n - n₀)``, ``(n₀, t₀)`` the median small step (under ``MIN_STEP_TOKENS``:
+  decode), so ``c`` is the marginal cost a prefill adds to a step. Where no small steps are
+  known, or that is not positive (noise), the same of ``t / n`` (a rate through the origin,
+  which counts the step's fixed cost too): positive times, so ``c`` is never 0 whatever the
+  mix of step sizes — the least-squares slope before came out negative in 1-24 % of steps when
+  vLLM fills most steps to its token budget, and was then taken as 0 (recompute free: every
+  hit declined). The middle half, not the median: as robust to a quarter of stalled steps, and
+  about half as noisy on a busy CPU's +-20-40 % step jitter.
+- **the always-take floor**: a load estimated shorter than the engine's median step
+  (``EngineRate.step_s``, decode steps mostly) is always taken. Declining it gains less than one
+  step, which is within the noise of the estimates. It scales with the engine: ~50 ms for the
+  bench's model on these 2 cores, 5-30 ms for a GPU's decode step, where a 45 ms load against a
+  20 ms recompute is now declined (the constant 50 ms before took it).
 
 The load of the first ``k`` found blocks is estimated as the largest fixed cost of the tiers it
 touches plus ``Σ b_i·n_i``; its recompute as ``c·k·block_size``. Of the prefixes that end where
 a run of one tier ends (so one backend gives all or nothing), those whose load is faster than
-their recompute — or under ``MIN_DECLINE_S`` anyway — qualify, and the one that saves the most
-time is loaded: with ``[memory, slow store]`` the part in memory is loaded and the rest
-recomputed. Until the engine and every tier a prefix touches have ``MIN_SAMPLES`` samples the
-whole prefix is loaded (that is how the rates are learnt).
+their recompute — or under the floor — qualify, and the one that saves the most time is loaded:
+with ``[memory, slow store]`` the part in memory is loaded and the rest recomputed. Until the
+engine and every tier a prefix touches are measured the whole prefix is loaded (that is how the
+rates are learnt): a tier needs ``MIN_SAMPLES`` loads; the engine's estimate is used with a
+margin (``EARLY_MARGIN``: only a load 3x slower is declined) from its first prefill step, in
+full from ``ENGINE_MIN_STEPS``.
 
-Only loads are samples of a tier's load rate. Saves run on their own (niced) thread and queue
-behind each other: on a busy machine a fast store's saves wait while its loads are quick, so a
-save's time says nothing of a load's (an engine test declined every hit of a fresh engine when
-saves were samples). An estimate must still follow a store that recovers though a declined tier
-is no longer loaded from: a tier whose estimate is older than ``PROBE_S`` gets one load through
-(a probe; one request pays).
+**Probes**: only loads measure a tier, and a declined tier is not loaded from, so a declined
+tier gets one load through (a probe; one request pays) ``PROBE_S`` after its last sample or
+probe — or ``PROBE_SOON_S`` after, when the decline rests on fewer than ``CONFIDENT_SAMPLES``
+loads or the last sample alone would have been taken (a store coming back is taken back within
+a few probes). Each gap is drawn from ``[1 - PROBE_JITTER, 1]`` of its length, so probes do not
+fall into a periodic slowdown in step with it.
 
-A slow first tier is noticed before its first answer: a save still unanswered after ``t``
-seconds (the vLLM worker sides report their oldest each step, once it is ``REPORT_WAITING_S``
-old: longer than a busy machine keeps a fast store's save waiting) puts a floor under the first
-tier's rate, ``t / blocks`` per block, until it is answered — unless loads of it were measured
-within ``STALE_S`` (they say more). Once answered, a save that took ``SLOW_SAVE_S`` or more of
-the worker's own time (``Result.seconds - Result.cpu_wait_s``: its run, not its queue, less
-the time its niced thread waited for a core) keeps that floor, ``seconds / blocks written``,
-until loads of the first tier are measured; a faster one lifts it. So a fresh engine does not
-pay a slow store's first loads to learn what its saves already said, and a busy machine's queue
-of saves, or its CPU, still says nothing.
+**Saves as evidence, before any load**: a fresh engine should not pay a slow store's first
+loads to learn what its saves already show. While the first tier has fewer than
+``MIN_SAMPLES`` loads measured, (1) a save still unanswered and **blocked on the store** for
+``t`` seconds (the kvtier worker's save watch, reported on its heartbeats: not its queue, not
+its niced thread's waits for a core — a busy machine's time; ``REPORT_WAITING_S`` at least)
+puts a floor ``t / blocks`` under the first tier's rate while it is reported; (2) an answered
+save that took ``SLOW_SAVE_S`` or more of the worker's own time keeps the floor ``seconds /
+blocks``, until a faster save lifts it. Once loads are measured they alone decide: a save that
+waited says nothing of a load (the fit before let one 0.6 s save override measured 25 ms loads).
 
 **No lookup that cannot pay**: while every tier of the store is declined for any length of the
 prompt and none is due for a probe, a request is not looked up at all (``worth_looking_up``;
 ``lookups_skipped``): the answer could only be declined, and vLLM's scheduling loop — every
 running request — would wait for it (a lookup's round trip took 1-2.5 ms under ``vllm serve``
-on 2 cores, the worker's own part 0.3-0.5 ms of it). Probes and the save probes go on as
-above, so a store that recovers is noticed as before. A load estimated under ``MIN_DECLINE_S``
-is always taken, so a store known only by a rate (a slow save's floor, loads of one size) is
-still looked up while one block of it is estimated under that: its answer may be one block.
+on 2 cores).
 
-**Within the step or not** (``load_mode: auto``, the default): a load estimated shorter than
-a step (a moving average of the time between steps) and than ``SYNC_MAX_S`` runs within the
-step that schedules it, so its request is computed in that step; a longer one, or one of a
-tier not measured yet, runs asynchronously while the request waits (``load_in_step``).
+**Within the step or not** (``load_mode: auto``, the default), per request from that hit's own
+estimate: a load estimated shorter than a step (the median step) and than ``SYNC_MAX_S`` runs
+within the step that schedules it, so its request is computed in that step; a longer one, or one
+of a tier not measured yet, runs asynchronously while the request waits (``load_in_step``).
 
 **Saves follow loads**: a prefix whose load from the first tier would be declined is not saved
-either. Its save would be worth nothing (the next hit on it would be declined) and would cost
-the engine: a request keeps its vLLM blocks until its saves are written, so slow saves fill
-the KV cache and later requests queue for space. One declined save still goes out as a probe
-(none while a save is still unanswered: that one is), ``STALE_S`` after the last; while saves
-stay declined the gap doubles, up to ``PROBE_S`` (each probe holds a request's blocks for as
-long as the slow store takes), and it is ``STALE_S`` again once a save is taken.
+either (its next hit would be declined; a request keeps its vLLM blocks until its saves are
+written, so slow saves fill the KV cache). One declined save still goes out as a probe (none
+while a save is still unanswered: that one is), ``STALE_S`` after the last; while saves stay
+declined the gap doubles, up to ``PROBE_S``, and it is ``STALE_S`` again once a save is taken.
+
+**Visible**: ``estimates()`` (the engine's and each tier's, exported as gauges) and
+``explain()`` (why a prefix was declined: the scheduler logs it, rate-limited).
 """
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from statistics import median
 
-KEEP = 0.8  # the weight of the samples before each new one: a sample counts ~5 samples long
+WINDOW_SAMPLES = 16  # a tier's loads remembered: its estimate is their median line
+WINDOW_S = 120.0  # ... for this long (the newest MIN_SAMPLES are always kept)
+SPREAD = 1.5  # two loads give a slope only if one is this many times the other's size
+STEP_WINDOW = 64  # steps remembered, of each kind
 MIN_SAMPLES = 2  # the first loads of a slow store must not be paid for to learn it
+# Prefill steps before anything is declined: a step's time varies +-20-40 % on a busy CPU, and a
+# median of 8 tells a load 1.25x faster than recompute apart (of 2-6, it did not: unit tests).
+# Steps are many (every request's prefill), so this costs no store a paid-for load.
+ENGINE_MIN_STEPS = 8
+# Before that, from the first prefill step on, only a load this many times slower than the
+# rough estimate is declined (a store 2 s a load is not paid for while the engine is learnt).
+EARLY_MARGIN = 3.0
+CONFIDENT_SAMPLES = 5  # a decline on fewer loads is probed again soon
 STALE_S = 2.0
-PROBE_S = 30.0  # a declined tier is tried again this often (one request pays)
+PROBE_S = 30.0  # a declined tier is tried again this often (one request pays)...
+PROBE_SOON_S = 3.0  # ... or this often while its decline is not yet sure
+PROBE_JITTER = 0.5  # each probe gap is drawn from [1 - PROBE_JITTER, 1] of its length
 FLOOR_S = 1.0  # a waiting save's floor holds this long unless reported again (every step)
 SLOW_SAVE_S = 0.5  # an answered save this slow (its own time) is a floor: REPORT_WAITING_S's bar
-MIN_STEP_TOKENS = 64
+MIN_STEP_TOKENS = 64  # a step with fewer scheduled tokens is a decode step, not a prefill
 MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
-# A load estimated to take less than this is always taken: declining it could save at most
-# this much, and on small models the step-time slope is mostly noise (scheduling overhead).
-MIN_DECLINE_S = 0.05
 # load_mode auto: a load runs within its step (the forward waits) only if it is estimated at
 # most this long — every request running in that step shares the wait.
 SYNC_MAX_S = 0.05
@@ -89,61 +120,155 @@ SYNC_MAX_S = 0.05
 IN_STEP_WAIT_S = 1.0
 
 
-class LinearFit:
-    """``t = a + b·n`` by least squares over recent samples (exponential forgetting)."""
+class RobustFit:
+    """``t = a + b·n`` from the medians of recent samples (module docstring)."""
 
-    def __init__(self) -> None:
-        self.samples = 0
-        self.at = float("-inf")  # time.monotonic() of the last sample
-        self._s1 = self._sn = self._st = self._snn = self._snt = 0.0
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.samples = 0  # added, ever
+        self.at = float("-inf")  # the clock's time of the last sample
+        self._window: deque[tuple[float, float, float]] = deque(maxlen=WINDOW_SAMPLES)
+        self._cache: tuple[tuple[int, int], tuple[float, float]] | None = None
 
     def add(self, n: float, t: float) -> None:
-        k = KEEP
-        self._s1 = self._s1 * k + 1.0
-        self._sn = self._sn * k + n
-        self._st = self._st * k + t
-        self._snn = self._snn * k + n * n
-        self._snt = self._snt * k + n * t
+        self.at = self._clock()
+        self._window.append((n, t, self.at))
         self.samples += 1
-        self.at = time.monotonic()
+
+    def recent(self) -> list[tuple[float, float]]:
+        """``(n, t)`` of the samples in the window: the last ``WINDOW_SAMPLES`` within
+        ``WINDOW_S``, the newest ``MIN_SAMPLES`` whatever their age."""
+        now = self._clock()
+        kept = [(n, t) for n, t, at in self._window if now - at <= WINDOW_S]
+        if len(kept) < MIN_SAMPLES:
+            kept = [(n, t) for n, t, _ in list(self._window)[-MIN_SAMPLES:]]
+        return kept
+
+    def last(self) -> tuple[float, float] | None:
+        return self._window[-1][:2] if self._window else None
 
     def coefficients(self) -> tuple[float, float]:
-        """``(a, b)``, both >= 0; all samples of one size: ``a = 0``, ``b`` = their mean rate."""
-        den = self._s1 * self._snn - self._sn * self._sn
-        if den > 1e-9 * max(self._s1 * self._snn, 1e-12):
-            b = (self._s1 * self._snt - self._sn * self._st) / den
-            a = (self._st - b * self._sn) / self._s1
-            if a >= 0 and b >= 0:
-                return a, b
-            if b < 0:  # time falls with size: noise; the mean time, whatever the size
-                return self._st / self._s1, 0.0
-        return 0.0, (self._snt / self._snn if self._snn else 0.0)
+        """``(a, b)``, both >= 0."""
+        points = self.recent()
+        key = (self.samples, len(points))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = key, _median_line(points)
+        return self._cache[1]
+
+
+def _median_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    if not points:
+        return 0.0, 0.0
+    slopes = [
+        (t2 - t1) / (n2 - n1)
+        for (n1, t1), (n2, t2) in combinations(points, 2)
+        if min(n1, n2) > 0 and max(n1, n2) >= SPREAD * min(n1, n2)
+    ]
+    if len(slopes) >= MIN_SAMPLES:
+        b = median(slopes)
+        a = median(t - b * n for n, t in points) if b >= 0 else -1.0
+        if a >= 0:
+            return a, b
+    return 0.0, median(t / n for n, t in points if n > 0) if any(n > 0 for n, _ in points) else 0.0
+
+
+class EngineRate:
+    """The engine's prefill cost per token and its typical step (module docstring)."""
+
+    def __init__(self) -> None:
+        self.samples = 0  # prefill steps, ever
+        self._prefill: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW)
+        self._small: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW)
+        self._all: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._cache: tuple[tuple[int, int], float] | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """A step of ``tokens`` scheduled tokens took ``seconds`` (kvtier's waits taken out)."""
+        self._all.append(seconds)
+        if tokens >= MIN_STEP_TOKENS:
+            self._prefill.append((tokens, seconds))
+            self.samples += 1
+        else:
+            self._small.append((tokens, seconds))
+
+    def step_s(self) -> float | None:
+        """The median step's time (any tokens), or None before the first."""
+        return median(self._all) if self._all else None
+
+    def per_token(self) -> float:
+        """Seconds a prefill token adds to a step, > 0 once a prefill step is known."""
+        key = (self.samples, len(self._small))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = key, self._per_token()
+        return self._cache[1]
+
+    def _per_token(self) -> float:
+        if not self._prefill:
+            return 0.0
+        origin = middle_mean([t / n for n, t in self._prefill])
+        if len(self._small) >= MIN_SAMPLES:
+            n0 = median(n for n, _ in self._small)
+            t0 = median(t for _, t in self._small)
+            marginal = middle_mean([(t - t0) / (n - n0) for n, t in self._prefill])
+            if marginal > 0:
+                return marginal
+        return origin
+
+
+def middle_mean(values: list[float]) -> float:
+    """The mean of the middle half (the interquartile mean): as robust as a median to a
+    quarter of outliers on either side, and about half as noisy as one on a step's jitter."""
+    ordered = sorted(values)
+    cut = len(ordered) // 4
+    middle = ordered[cut : len(ordered) - cut]
+    return sum(middle) / len(middle)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a prefix of ``found`` blocks was (partly) declined: ``explain``."""
+
+    found: int
+    loaded: int
+    load_s: float | None  # the whole prefix's load, estimated (None: a tier not measured)
+    recompute_s: float
+    always_take_s: float
+    tiers: tuple[int, ...]  # blocks per tier
 
 
 class LoadOrRecompute:
     """The decision (module docstring). ``enabled=False``: every hit is loaded (measured all
-    the same, so the estimates can be inspected)."""
+    the same, so the estimates can be inspected). ``seed``: the probes' jitter; ``clock``:
+    ``time.monotonic`` (a simulation's own: ``kvtier_bench.decide``)."""
 
-    def __init__(self, block_size: int, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        enabled: bool = True,
+        seed: int | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.block_size, self.enabled = block_size, enabled
-        self.tiers: list[LinearFit] = [LinearFit()]  # seconds per load of n blocks, per tier
-        self.engine = LinearFit()  # seconds per step of n tokens
-        self._last_probe_at = self._first_tier_loaded_at = float("-inf")
+        self._clock = clock or (lambda: time.monotonic())
+        self.tiers: list[RobustFit] = [RobustFit(self._clock)]  # per tier: s per load of n blocks
+        self.engine = EngineRate()
+        self._rng = random.Random(seed)
+        self._last_probe_at = float("-inf")
         self._save_probe_gap = STALE_S  # doubles while saves stay declined, up to PROBE_S
         self._probed_at: dict[int, float] = {}
-        self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a waiting save
+        self._jitter: dict[int, float] = {}  # per tier: the fraction of its next probe gap
+        self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a blocked save
         self._saved_floor = 0.0  # s per block, from the last answered save, if it was slow
         self._last_step: tuple[float, int] | None = None
-        self._step_s: float | None = None  # a step's time, any tokens (a moving average)
 
     @property
-    def store(self) -> LinearFit:
+    def store(self) -> RobustFit:
         """The first tier's fit (the only one of a single backend)."""
         return self.tiers[0]
 
-    def _fit(self, tier: int) -> LinearFit:
+    def _fit(self, tier: int) -> RobustFit:
         while len(self.tiers) <= tier:
-            self.tiers.append(LinearFit())
+            self.tiers.append(RobustFit(self._clock))
         return self.tiers[tier]
 
     # ---- samples ----------------------------------------------------------------------------
@@ -154,65 +279,61 @@ class LoadOrRecompute:
         used = [i for i, n in enumerate(counts) if n > 0]
         if not used:
             return
-        if used[0] == 0:
-            self._first_tier_loaded_at = time.monotonic()
         slowest = used[-1]
         others = 0.0
         for i in used[:-1]:  # their blocks' share of the time, as far as it is known
             if i < len(self.tiers) and self.tiers[i].samples >= MIN_SAMPLES:
                 others += self.tiers[i].coefficients()[1] * counts[i]
         self._fit(slowest).add(counts[slowest], max(0.0, seconds - others))
+        self._jitter.pop(slowest, None)
 
     def waiting(self, blocks: int, seconds: float) -> None:
-        """A save of ``blocks`` is unanswered after ``seconds``: the first tier is at least
-        that slow (a floor under its rate, until it is answered)."""
+        """A save of ``blocks`` has been blocked on the store for ``seconds`` (its queue and
+        its waits for a core left out) and is still unanswered: a floor under the first tier's
+        rate while no load of it is measured."""
         if blocks > 0:
-            now = time.monotonic()
+            now = self._clock()
             floor = self._floor if now - self._floor_at <= FLOOR_S else 0.0
             self._floor, self._floor_at = max(floor, seconds / blocks), now
 
     def saved(self, blocks: int, seconds: float) -> None:
         """A save wrote ``blocks`` in ``seconds`` of the worker's own time: if that is
-        ``SLOW_SAVE_S`` or more, a floor under the first tier's rate until loads of it are
+        ``SLOW_SAVE_S`` or more, a floor under the first tier's rate while no load of it is
         measured; if less, no floor (the store is not known to be slow)."""
         if blocks > 0:
             self._saved_floor = seconds / blocks if seconds >= SLOW_SAVE_S else 0.0
 
     def _floors(self) -> tuple[float, float]:
-        """The floors that hold now — a waiting save's, an answered slow save's — unless a load
-        of the first tier says more (saves queue on their own: a backlog of saves says nothing
-        of how fast loads are answered)."""
-        now = time.monotonic()
-        if now - self._first_tier_loaded_at <= STALE_S:
+        """The save floors that hold now — a blocked save's, an answered slow save's — while
+        the first tier's loads are not measured (once they are, they alone say how fast it is)."""
+        if self.store.samples >= MIN_SAMPLES:
             return 0.0, 0.0
-        waiting = self._floor if now - self._floor_at <= FLOOR_S else 0.0
-        answered = self._saved_floor if self.store.samples < MIN_SAMPLES else 0.0
-        return waiting, answered
+        waiting = self._floor if self._clock() - self._floor_at <= FLOOR_S else 0.0
+        return waiting, self._saved_floor
 
-    def step(self, scheduled_tokens: int, now: float | None = None) -> None:
+    def step(self, scheduled_tokens: int, now: float | None = None, kvtier_s: float = 0.0) -> None:
         """A scheduler step begins that scheduled ``scheduled_tokens``: the previous step took
-        the time since the previous call."""
-        now = time.monotonic() if now is None else now
+        the time since the previous call, of which ``kvtier_s`` were kvtier's own waits (the
+        previous step's loads within it, this step's lookups): not the engine's."""
+        now = self._clock() if now is None else now
         if self._last_step is not None:
             at, tokens = self._last_step
-            gap = now - at
-            if tokens >= MIN_STEP_TOKENS and 0 < gap < MAX_STEP_S:
-                self.engine.add(tokens, gap)
+            gap = now - at - kvtier_s
             if tokens > 0 and 0 < gap < MAX_STEP_S:
-                last = gap if self._step_s is None else self._step_s
-                self._step_s = KEEP * last + (1 - KEEP) * gap
+                self.engine.add(tokens, gap)
         self._last_step = (now, scheduled_tokens)
 
     # ---- the decision -----------------------------------------------------------------------
 
-    def estimates(self) -> dict[str, float] | None:
-        """The first tier's ``load_fixed_s`` and ``load_s_per_block``, and
-        ``prefill_s_per_token``; None until there are enough samples of both."""
-        if self.store.samples < MIN_SAMPLES or self.engine.samples < MIN_SAMPLES:
-            return None
-        a, b = self.store.coefficients()
-        _, c = self.engine.coefficients()
-        return {"load_fixed_s": a, "load_s_per_block": b, "prefill_s_per_token": c}
+    def _margin(self) -> float:
+        """How many times slower than its recompute a load may be and still be taken: 1 once
+        the engine is measured, ``EARLY_MARGIN`` from its first prefill step, no bound before."""
+        if self.engine.samples >= ENGINE_MIN_STEPS:
+            return 1.0
+        return EARLY_MARGIN if self.engine.samples else float("inf")
+
+    def _always_take_s(self) -> float:
+        return self.engine.step_s() or 0.0
 
     def blocks_to_load(self, found: int, tiers: bytes = b"", now: float | None = None) -> int:
         """Of ``found`` stored blocks (``tiers``: each one's tier, empty: all the first), how
@@ -222,9 +343,11 @@ class LoadOrRecompute:
     def _worth(self, found: int, tiers: bytes, now: float | None, floor: float, probe: bool) -> int:
         """``blocks_to_load``, with ``floor`` seconds per block under the first tier's rate;
         ``probe``: a declined tier due for a probe is loaded (and its probe taken)."""
-        if not self.enabled or found <= 0 or self.engine.samples < MIN_SAMPLES:
+        margin = self._margin()
+        if not self.enabled or found <= 0 or margin == float("inf"):
             return found
-        per_token = self.engine.coefficients()[1] * self.block_size
+        per_block = self.engine.per_token() * self.block_size * margin
+        always = self._always_take_s()
         levels = _levels(tiers, found)
         counts = [0] * (max(levels) + 1)
         best, best_gain = 0, float("-inf")
@@ -235,12 +358,25 @@ class LoadOrRecompute:
             load_s = self._load_s(counts, floor)
             if load_s is None:
                 return found  # a tier not measured yet: learn it
-            recompute_s = per_token * k
-            if load_s < max(recompute_s, MIN_DECLINE_S) and recompute_s - load_s >= best_gain:
+            recompute_s = per_block * k
+            if load_s < max(recompute_s, always) and recompute_s - load_s >= best_gain:
                 best, best_gain = k, recompute_s - load_s
         if best == found or not probe:
             return best
         return self._probe(found, levels, best, now)
+
+    def explain(self, found: int, tiers: bytes = b"") -> Verdict:
+        """What the decision saw for ``found`` stored blocks (for the log of a decline)."""
+        levels = _levels(tiers, found)
+        counts = [levels.count(level) for level in range(max(levels, default=0) + 1)]
+        return Verdict(
+            found,
+            self._worth(found, tiers, None, max(self._floors()), probe=False),
+            self._load_s(counts, max(self._floors())),
+            self.engine.per_token() * self.block_size * found,
+            self._always_take_s(),
+            tuple(counts),
+        )
 
     def worth_looking_up(self, blocks: int, tier_count: int = 1, now: float | None = None) -> bool:
         """Could a lookup of a prompt's next ``blocks`` blocks end in a load? Not when, from
@@ -251,33 +387,36 @@ class LoadOrRecompute:
         fixed cost, the sum of the rates), so the tiers one by one answer for every mix.
         Load time and recompute are both linear in the blocks: the ends, 1 and ``blocks``,
         answer for every length between."""
-        if not self.enabled or blocks <= 0 or self.engine.samples < MIN_SAMPLES:
+        margin = self._margin()
+        if not self.enabled or blocks <= 0 or margin == float("inf"):
             return True
-        per_block = self.engine.coefficients()[1] * self.block_size
+        per_block = self.engine.per_token() * self.block_size * margin
+        always = self._always_take_s()
         floor = max(self._floors())
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         for tier in range(max(tier_count, len(self.tiers))):
             for k in (1, blocks):
                 load_s = self._load_s([0] * tier + [k], floor)
-                if load_s is None or load_s < max(per_block * k, MIN_DECLINE_S):
+                if load_s is None or load_s < max(per_block * k, always):
                     return True  # not measured yet (learnt by loading), or worth loading
             if self._probe_due(tier, now):
                 return True  # a lookup that finds it loads it
         return False
 
     def load_in_step(self, blocks: int, tiers: bytes = b"") -> bool:
-        """``load_mode: auto``: load the first ``blocks`` stored blocks within the step that
-        schedules them (the forward waits) rather than asynchronously? Yes when the load is
-        estimated shorter than a step and than ``SYNC_MAX_S``. An asynchronous load costs its
-        request about one step more (answered during one step, reported at its end, the request
-        scheduled in the next); a load within the step costs every running request its time
-        once. Unknown rates (a tier not measured, no steps yet): asynchronous."""
-        if blocks <= 0 or self._step_s is None:
+        """``load_mode: auto``, per request: load the first ``blocks`` stored blocks within the
+        step that schedules them (the forward waits) rather than asynchronously? Yes when this
+        load is estimated shorter than a (median) step and than ``SYNC_MAX_S``. An asynchronous
+        load costs its request about one step more (answered during one step, reported at its
+        end, the request scheduled in the next); a load within the step costs every running
+        request its time once. Unknown rates (a tier not measured, no steps yet): asynchronous."""
+        step_s = self.engine.step_s()
+        if blocks <= 0 or step_s is None:
             return False
         load_s = self._load_s(list(tier_counts(tiers, blocks)), max(self._floors()))
-        return load_s is not None and load_s <= min(self._step_s, SYNC_MAX_S)
+        return load_s is not None and load_s <= min(step_s, SYNC_MAX_S)
 
-    def _load_s(self, counts: list[int], first_floor: float) -> float | None:
+    def _load_s(self, counts: Sequence[int], first_floor: float) -> float | None:
         fixed, per_block = 0.0, 0.0
         for i, n in enumerate(counts):
             if not n:
@@ -294,20 +433,34 @@ class LoadOrRecompute:
 
     def _probe(self, found: int, levels: bytes, best: int, now: float | None) -> int:
         """``best``, or ``found`` when a declined tier is due for a probe."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         for level in sorted(set(levels[best:])):
             if self._probe_due(level, now):
                 self._probed_at[level] = now
+                self._jitter.pop(level, None)
                 return found
         return best
 
     def _probe_due(self, tier: int, now: float) -> bool:
-        """Is a declined ``tier`` due for a load (``PROBE_S`` since its last sample or probe)?
-        Not one measured by a save's floor alone: its save probes are its probes."""
+        """Is a declined ``tier`` due for a load? Not one measured by a save's floor alone:
+        its save probes are its probes."""
         fit = self.tiers[tier] if tier < len(self.tiers) else None
         if fit is None or fit.samples < MIN_SAMPLES:
             return False
-        return now - max(fit.at, self._probed_at.get(tier, float("-inf"))) >= PROBE_S
+        if tier not in self._jitter:
+            self._jitter[tier] = 1.0 - PROBE_JITTER * self._rng.random()
+        gap = PROBE_SOON_S if self._unsure(fit) else PROBE_S
+        since = max(fit.at, self._probed_at.get(tier, float("-inf")))
+        return now - since >= gap * self._jitter[tier]
+
+    def _unsure(self, fit: RobustFit) -> bool:
+        """Does a decline of this tier rest on little: few loads, or a last load that alone
+        would have been taken?"""
+        last = fit.last()
+        if len(fit.recent()) < CONFIDENT_SAMPLES or last is None:
+            return True
+        n, t = last
+        return t < max(self.engine.per_token() * self.block_size * n, self._always_take_s())
 
     def worth_saving(self, blocks: int, now: float | None = None) -> bool:
         """Save a prefix of ``blocks`` blocks (into the first tier)? Yes unless its load would
@@ -318,13 +471,32 @@ class LoadOrRecompute:
             if blocks > 0:
                 self._save_probe_gap = STALE_S
             return True
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         if now - self._last_probe_at < self._save_probe_gap or waiting:
             return False
         if now - self._last_probe_at < 2 * PROBE_S:  # declined since the last probe: back off
             self._save_probe_gap = min(PROBE_S, 2 * self._save_probe_gap)
         self._last_probe_at = now
         return True
+
+    # ---- what it sees -----------------------------------------------------------------------
+
+    def estimates(self) -> dict[str, float]:
+        """The estimates in force (gauges): ``prefill_s_per_token``, ``step_s`` (the always-take
+        floor), and per measured tier ``tier<i>_load_fixed_s`` / ``tier<i>_load_s_per_block``;
+        ``save_floor_s_per_block`` while a save's floor holds. Empty until the engine is
+        measured."""
+        if not self.engine.samples:
+            return {}
+        out = {"prefill_s_per_token": self.engine.per_token(), "step_s": self._always_take_s()}
+        for i, fit in enumerate(self.tiers):
+            if fit.samples >= MIN_SAMPLES:
+                a, b = fit.coefficients()
+                out[f"tier{i}_load_fixed_s"], out[f"tier{i}_load_s_per_block"] = a, b
+        floor = max(self._floors())
+        if floor:
+            out["save_floor_s_per_block"] = floor
+        return out
 
 
 def _levels(tiers: bytes, blocks: int) -> bytes:

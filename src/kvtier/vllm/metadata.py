@@ -11,8 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.vllm.decide import tier_counts
 
-# A save unanswered this long is reported each step (decide's floor under saves): longer than a
-# busy machine keeps a fast store's save waiting (saves run niced), shorter than a slow store.
+# A save blocked on its store this long is reported each step (decide's floor under saves, while
+# no load is measured): longer than a sound store's write, shorter than a slow store's.
 REPORT_WAITING_S = 0.5
 
 
@@ -51,6 +51,9 @@ class KvtierMetadata(KVConnectorMetadata):
     idle: bool = False  # nothing scheduled this step: the worker side may wait for its loads
     # Scheduler-side counts since the last step, reported by rank 0 in its connector stats.
     lookup_counts: dict[str, int] = field(default_factory=dict)
+    # The load-or-recompute estimates in force (``LoadOrRecompute.estimates``), now and then:
+    # gauges in rank 0's connector stats.
+    estimates: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,16 +61,20 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """Hashes whose load failed (missing, corrupt): the scheduler saves them again. And the
     loads answered since the last step, ``(blocks per tier, seconds from submission)``: the
     scheduler's load-or-recompute estimates (``kvtier.vllm.decide``). ``waiting_saves``:
-    ``(blocks, seconds so far)`` of a rank's oldest save still unanswered, once it is older
-    than ``REPORT_WAITING_S``: a slow store is noticed while its first save is on its way.
+    ``(blocks, seconds so far)`` of a rank's save still unanswered and blocked on the store
+    for ``REPORT_WAITING_S`` or more: a slow store is noticed while its first save is on its
+    way.
     ``save_times``: ``(blocks written, the worker's own seconds)`` of saves answered since the
     last step (not their time from submission: saves queue behind each other; nor the time
-    their niced thread waited for a core: a busy machine's, not the store's)."""
+    their niced thread waited for a core: a busy machine's, not the store's).
+    ``in_step_wait_s``: how long the step's forward waited for loads within the step (the
+    slowest rank's): kvtier's time, taken out of the engine's step time."""
 
     failed_hashes: set[bytes] = field(default_factory=set)
     load_times: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
     waiting_saves: list[tuple[int, float]] = field(default_factory=list)
     save_times: list[tuple[int, float]] = field(default_factory=list)
+    in_step_wait_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvtierWorkerMetadata):
@@ -76,5 +83,6 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
                 self.load_times + other.load_times,
                 self.waiting_saves + other.waiting_saves,
                 self.save_times + other.save_times,
+                max(self.in_step_wait_s, other.in_step_wait_s),
             )
         return self

@@ -52,6 +52,8 @@ LOOKUP_TIMEOUT_S = 10.0
 # A kept lookup answer is this old at most: objects evicted meanwhile cost a failed load (a
 # recompute), never a wrong token, so the bound is about wasted work, not correctness.
 LOOKUP_REUSE_S = 5.0
+ESTIMATES_EVERY_S = 1.0  # the decision's estimates go to vLLM's stats (gauges) this often
+DECLINE_LOG_EVERY_S = 10.0  # one log line per declined load at most this often (the rest counted)
 
 
 @dataclass
@@ -118,8 +120,13 @@ class SchedulerSide:
         self._sync_loaded: list[LoadSpec] = []
         self._broken = False
         self.decide = LoadOrRecompute(block_size, settings.load_or_recompute)
+        self._kvtier_wait_s = 0.0  # kvtier's waits in the engine's step since the last one
+        self._estimates_at = float("-inf")
+        self._decline_log = _DeclineLog()
         # The store's tiers, as the workers were launched with them (the default: one).
-        self.tier_count = len(parse_storage(settings.storage).backends)
+        backends = parse_storage(settings.storage).backends
+        self.tier_count = len(backends)
+        self.tier_names = [b.backend for b in backends]
 
     # ---- lookup -----------------------------------------------------------------------------
 
@@ -144,13 +151,16 @@ class SchedulerSide:
             return 0, False
         if answer is None:  # vLLM asks again while the request waits: decided once
             stored, tiers = self._lookup(wanted)
-            waited_us = int((time.monotonic() - now) * 1e6)  # vLLM's scheduling loop waited
+            waited_s = time.monotonic() - now  # vLLM's scheduling loop waited
+            waited_us = int(waited_s * 1e6)
+            self._kvtier_wait_s += waited_s
             worth = self.decide.blocks_to_load(stored, tiers)
             kept = _Lookup(first, last, stored, worth, tiers, now, self._in_step(worth, tiers))
             self._lookups[request.request_id] = kept
             self._counts.update(lookup_round_trips=1, lookup_microseconds=waited_us)
             if worth < stored:
                 self._counts.update(declined_tokens=(stored - worth) * bs)
+                self._decline_log.note(self.decide, stored, tiers, self.tier_names)
             for h in wanted[stored:]:  # not stored (any more): a save may store it again
                 self._submitted.pop(h, None)
         else:
@@ -214,7 +224,8 @@ class SchedulerSide:
     # ---- each step --------------------------------------------------------------------------
 
     def build_connector_meta(self, so: Any) -> KvtierMetadata:
-        self.decide.step(so.total_num_scheduled_tokens)
+        self.decide.step(so.total_num_scheduled_tokens, kvtier_s=self._kvtier_wait_s)
+        self._kvtier_wait_s = 0.0
         for spec in self._sync_loaded:  # loaded during the previous step's forward
             self._finish_loading(spec.req_id)
         self._sync_loaded = [s for s in self._loads_out if s.sync]
@@ -224,6 +235,10 @@ class SchedulerSide:
             lookup_counts=dict(self._counts),
             idle=so.total_num_scheduled_tokens == 0,
         )
+        now = time.monotonic()
+        if now - self._estimates_at >= ESTIMATES_EVERY_S:
+            self._estimates_at = now
+            meta.estimates = self.decide.estimates()
         self._loads_out, self._counts = [], Counter()
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
@@ -297,6 +312,7 @@ class SchedulerSide:
                 self.decide.waiting(n, seconds)
             for n, seconds in meta.save_times:
                 self.decide.saved(n, seconds)
+            self._kvtier_wait_s += meta.in_step_wait_s  # the forward waited for kvtier
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
             if meta.failed_hashes:
@@ -346,3 +362,39 @@ class SchedulerSide:
         if self.client is not None:
             self.client.close()  # connected, not launched: the workers keep running
             self.client = None
+
+
+class _DeclineLog:
+    """One INFO line per declined load, at most one per ``DECLINE_LOG_EVERY_S`` (the ones
+    between are counted in the next): which tiers, how many blocks, the estimated load against
+    the recompute, and the estimates behind them (``LoadOrRecompute.explain``)."""
+
+    def __init__(self) -> None:
+        self._at = float("-inf")
+        self._quiet = 0
+
+    def note(self, decide: LoadOrRecompute, found: int, tiers: bytes, names: list[str]) -> None:
+        now = time.monotonic()
+        if now - self._at < DECLINE_LOG_EVERY_S:
+            self._quiet += 1
+            return
+        self._at, quiet, self._quiet = now, self._quiet, 0
+        v = decide.explain(found, tiers)
+        where = ", ".join(
+            f"{n} from tier {i} ({names[i] if i < len(names) else '?'})"
+            for i, n in enumerate(v.tiers)
+            if n
+        )
+        load = "unknown" if v.load_s is None else f"{v.load_s * 1e3:.1f} ms"
+        log.info(
+            "kvtier declined %d of %d stored blocks (%s): load estimated %s, recompute %.1f ms "
+            "(loads under %.1f ms, one engine step, are always taken); estimates %s%s",
+            found - v.loaded,
+            found,
+            where,
+            load,
+            v.recompute_s * 1e3,
+            v.always_take_s * 1e3,
+            {k: round(x, 6) for k, x in decide.estimates().items()},
+            f"; {quiet} more declined since the last line" if quiet else "",
+        )

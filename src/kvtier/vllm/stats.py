@@ -41,6 +41,13 @@ COUNTERS = {
 }
 
 
+# The load-or-recompute estimates in force (``kvtier.vllm.decide.LoadOrRecompute.estimates``):
+# gauges, ``estimate_<name>`` in the stats (the latest value, never summed) and
+# ``vllm:kvtier_estimate_seconds{what="<name>"}`` in Prometheus (per tier: ``what`` is e.g.
+# ``load_s_per_block`` with ``tier="0"``).
+ESTIMATE = "estimate_"
+ESTIMATE_TIER = re.compile(r"tier(\d)_(.+)")
+
 # Loaded tokens per storage tier (0 = the fastest; one backend is tier 0): ``tier<N>_loaded_tokens``
 # in the stats, ``vllm:kvtier_tier_loaded_tokens{tier="N"}`` in Prometheus.
 TIER_COUNTER = re.compile(r"tier(\d)_loaded_tokens")
@@ -52,18 +59,30 @@ class KvtierConnectorStats(KVConnectorStats):
         for name, value in counts.items():
             self.data[name] = self.data.get(name, 0) + value
 
+    def set_estimates(self, estimates: dict[str, float]) -> None:
+        """The decision's estimates now (gauges: they replace the ones held)."""
+        for name in [k for k in self.data if k.startswith(ESTIMATE)]:
+            del self.data[name]
+        self.data.update((ESTIMATE + name, value) for name, value in estimates.items())
+
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other is not None and not other.is_empty():
+            if any(k.startswith(ESTIMATE) for k in other.data):  # newer gauges replace older
+                self.set_estimates(
+                    {k[len(ESTIMATE) :]: v for k, v in other.data.items() if k.startswith(ESTIMATE)}
+                )
             for name, value in other.data.items():
-                self.data[name] = self.data.get(name, 0) + value
+                if not name.startswith(ESTIMATE):
+                    self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
         out.update((k, v) for k, v in sorted(self.data.items()) if TIER_COUNTER.fullmatch(k))
+        out.update((k, v) for k, v in sorted(self.data.items()) if k.startswith(ESTIMATE))
         seconds = out["load_microseconds"] / 1e6
         out["load_gbps"] = round(out["load_bytes"] / seconds / 1e9, 3) if seconds else 0.0
         return out
@@ -91,6 +110,16 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             documentation="kvtier: tokens loaded from each storage tier (0 = the fastest)",
             labelnames=[*labelnames, "tier"],
         )
+        gauge: Any = self._gauge_cls  # vLLM's Gauge class (typed as any metric class)
+        self.estimate_gauge: Any = gauge(
+            name="vllm:kvtier_estimate_seconds",
+            documentation=(
+                "kvtier load or recompute: the estimate in force (what: prefill_s_per_token, "
+                "step_s, load_fixed_s and load_s_per_block per tier, save_floor_s_per_block)"
+            ),
+            labelnames=[*labelnames, "what", "tier"],
+            multiprocess_mode="mostrecent",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
@@ -101,3 +130,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             if tier is not None and value:
                 labels = self.per_engine[engine_idx]
                 self.tier_counter.labels(*labels, tier.group(1)).inc(value)
+            if name.startswith(ESTIMATE):
+                what = name[len(ESTIMATE) :]
+                per_tier = ESTIMATE_TIER.fullmatch(what)
+                tier_label = per_tier.group(1) if per_tier else ""
+                what = per_tier.group(2) if per_tier else what
+                labels = self.per_engine[engine_idx]
+                self.estimate_gauge.labels(*labels, what, tier_label).set(value)

@@ -55,15 +55,19 @@ class StepTransfers:
         self._load_times: list = []  # (blocks per tier, seconds)
         self._unanswered: dict[Future, tuple[int, float]] = {}  # saves: blocks, submitted at
         self._save_times: list[tuple[int, float]] = []  # answered: blocks written, own seconds
+        self._in_step_wait_s = 0.0  # the forward's waits for loads within the step, not reported
         self.events: RankEventLog | None = None  # set where kvtier's KV events are published
 
     # ---- each step --------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
-        if not meta.loads and not meta.lookup_counts:
+        if not meta.loads and not meta.lookup_counts and not meta.estimates:
             return  # most steps: called on vLLM's step path, so nothing is done for nothing
         if self.rank == 0 and meta.lookup_counts:
             self._count(**meta.lookup_counts)  # the scheduler's counts, reported once
+        if self.rank == 0 and meta.estimates:
+            with self._stats_lock:
+                self.stats.set_estimates(meta.estimates)
         sync = []
         for spec in meta.loads:
             task = t.Load(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)
@@ -81,6 +85,8 @@ class StepTransfers:
                 self._account_load(future, spec)
             else:
                 self._stop_waiting(future, spec)
+        if sync:  # the forward waited this long for kvtier: not the engine's step time
+            self._in_step_wait_s += _now() - since
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         """Submit this step's saves, every request's in one task; never waits for them (they
@@ -155,18 +161,28 @@ class StepTransfers:
     def worker_meta(self) -> KvtierWorkerMetadata | None:
         """Block hashes that failed to load (the scheduler side saves them again) and the
         transfers' times (its load-or-recompute estimates)."""
-        if not (self._failed_hashes or self._load_times or self._save_times or self._unanswered):
+        if not (
+            self._failed_hashes
+            or self._load_times
+            or self._save_times
+            or self._unanswered
+            or self._in_step_wait_s
+        ):
             return None  # most steps (read unlocked: news that lands now goes with the next)
         with self._stats_lock:
             loads, self._load_times = self._load_times, []
             saves, self._save_times = self._save_times, []
-            oldest = min(self._unanswered.values(), key=lambda v: v[1], default=None)
+            unanswered = bool(self._unanswered)
         waiting = []
-        if oldest is not None and _now() - oldest[1] >= REPORT_WAITING_S:
-            waiting.append((oldest[0], _now() - oldest[1]))
-        if not (self._failed_hashes or loads or waiting or saves):
+        # A save unanswered counts only for its time blocked on the store (the kvtier worker's
+        # save watch, on its heartbeats): not its queue, nor its thread's waits for a core.
+        blocked = self.client.blocked_save() if unanswered and self.client is not None else None
+        if blocked is not None and blocked[1] >= REPORT_WAITING_S:
+            waiting.append(blocked)
+        waited_s, self._in_step_wait_s = self._in_step_wait_s, 0.0
+        if not (self._failed_hashes or loads or waiting or saves or waited_s):
             return None
-        meta = KvtierWorkerMetadata(self._failed_hashes, loads, waiting, saves)
+        meta = KvtierWorkerMetadata(self._failed_hashes, loads, waiting, saves, waited_s)
         self._failed_hashes = set()
         return meta
 

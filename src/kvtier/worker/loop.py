@@ -218,7 +218,11 @@ class Worker:
                 status = t.Status.CANCELLED if stopping else t.Status.ERROR
                 self._answer(peer, message.task_id, status, refusal.value)
         elif isinstance(message, t.Heartbeat):  # its stamp echoed: a ping finds its answer
-            self.out.send(peer, t.encode(t.Heartbeat(sent_at=message.sent_at)))
+            blocks, blocked_s = self.runner.save_watch.blocked()
+            echo = t.Heartbeat(
+                sent_at=message.sent_at, save_blocked_s=blocked_s, save_blocks=blocks
+            )
+            self.out.send(peer, t.encode(echo))
         elif isinstance(message, t.Control):
             self.control.receive(peer, message)
         elif isinstance(message, t.Shutdown):

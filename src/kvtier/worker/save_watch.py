@@ -49,15 +49,17 @@ class SaveWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # (thread id, its bytes, when it started, its run and wait seconds then) of the
-        # save running now
+        # save running now, and its blocks
         self._running: tuple[int, int, float, float, float] | None = None
+        self._blocks = 0
 
-    def started(self, nbytes: int) -> None:
-        """On the save thread, as a save of ``nbytes`` starts."""
+    def started(self, nbytes: int, blocks: int = 0) -> None:
+        """On the save thread, as a save of ``nbytes`` (``blocks`` blocks) starts."""
         tid = threading.get_native_id()
         times = _schedstat(tid)
         with self._lock:
             self._running = None if times is None else (tid, nbytes, time.monotonic(), *times)
+            self._blocks = blocks
 
     def finished(self) -> float:
         """On the save thread, as its save ends: the seconds it waited for a core meanwhile
@@ -72,14 +74,24 @@ class SaveWatch:
     def slow_store(self) -> float:
         """Seconds the running save has been blocked on its store, if that shows a slow store
         (module docstring); else 0.0 (also when no save runs, or its times cannot be read)."""
+        nbytes, _, blocked = self._blocked()
+        return blocked if blocked >= max(SHED_AFTER_S, nbytes / SLOW_BYTES_PER_S) else 0.0
+
+    def blocked(self) -> tuple[int, float]:
+        """(blocks, seconds blocked on its store) of the running save; ``(0, 0.0)`` when none
+        runs or its times cannot be read. The engine's load-or-recompute reads it on heartbeats
+        (``kvtier.vllm.decide``): a slow store seen before its first save is answered."""
+        _, blocks, blocked = self._blocked()
+        return (blocks, blocked) if blocked > 0 else (0, 0.0)
+
+    def _blocked(self) -> tuple[int, int, float]:
         with self._lock:
-            running = self._running
+            running, blocks = self._running, self._blocks
         if running is None:
-            return 0.0
+            return 0, 0, 0.0
         tid, nbytes, since, run0, wait0 = running
         times = _schedstat(tid)
         if times is None:
-            return 0.0
+            return nbytes, blocks, 0.0
         run, wait = times
-        blocked = (time.monotonic() - since) - (run - run0) - (wait - wait0)
-        return blocked if blocked >= max(SHED_AFTER_S, nbytes / SLOW_BYTES_PER_S) else 0.0
+        return nbytes, blocks, (time.monotonic() - since) - (run - run0) - (wait - wait0)

@@ -181,9 +181,8 @@ class TaskRunner:
                 self._queued[direction] -= 1
         saving = direction is t.Direction.SAVE
         if saving:
-            self.save_watch.started(
-                len(task.device_block_ids) * self.resources.config.spec.block_bytes
-            )
+            blocks = len(task.device_block_ids)
+            self.save_watch.started(blocks * self.resources.config.spec.block_bytes, blocks)
         # A storage transfer's waits for a core (schedstat, ~10 us a reading: not for swaps and
         # lookups of tens of microseconds): on a busy machine, time that is not the store's.
         waited = core_wait_s() if isinstance(task, STORAGE_TASKS) and not saving else None
