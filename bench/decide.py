@@ -239,7 +239,8 @@ def report(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from kvtier_bench.options import decide_arguments
+
     parser = argparse.ArgumentParser(prog="kvtier bench decide")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    decide_arguments(parser)
     sys.exit(report(parser.parse_args()))

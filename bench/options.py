@@ -304,7 +304,13 @@ def router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
+def decide_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=SEED, default=0, help="the steps' jitter and the stalls")
+    p.add_argument("--json", action="store_true", help="one JSON object per scenario")
+
+
 ARGUMENTS = {
+    "decide": decide_arguments,
     "router": router_arguments,
     "trace": trace_arguments,
     "cluster": cluster_arguments,

@@ -34,6 +34,7 @@ from kvtier.engine.client import Client  # noqa: E402
 from kvtier.transport import tasks as t  # noqa: E402
 from kvtier.vllm import decide  # noqa: E402
 from kvtier.vllm.decide import LoadOrRecompute  # noqa: E402
+from kvtier.vllm.metadata import REPORT_WAITING_S  # noqa: E402
 from kvtier.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.vllm.transfers import StepTransfers  # noqa: E402
@@ -608,3 +609,41 @@ def test_a_saves_sample_leaves_out_its_threads_waits_for_a_core() -> None:
     assert decision._floors() == (0.0, 0.0)
     decision.saved(5, 2.0)  # the same save without the waits: 0.4 s per block of its own
     assert decision._floors() == (0.0, 0.4)
+
+
+@pytest.mark.parametrize(
+    "connector",
+    [{"worker_storage": {"backend": "memory", "faults": {"transfer_latency_s": 1.5}}}],
+    indirect=True,
+)
+def test_a_save_blocked_on_its_store_is_reported_before_its_answer(connector) -> None:
+    """A save that waits on its store (1.5 s a transfer) is reported to the scheduler while
+    it is unanswered: its blocks and its time blocked on the store, as the kvtier worker's save
+    watch measures it (``test_save_watch.py``: not its waits for a core) and its heartbeats
+    carry. With no load measured, the report declines the store."""
+    scheduler, transfers, worker = connector
+    for i in range(decide.ENGINE_MIN_STEPS + 2):  # a measured engine: prefills of ms
+        scheduler.build_connector_meta(step([], {"busy": 64 * (1 + i % 3)}))
+        time.sleep(0.002)
+    req = request("r1", list(range(8000, 8000 + PROMPT)))
+    ids = list(range(0, 7))
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    scheduler.update_state_after_alloc(req, blocks(ids), 0)
+    meta = scheduler.build_connector_meta(step([(req, ids, 0)], {req.request_id: PROMPT}))
+    submitted = time.monotonic()
+    transfers.wait_for_save(meta)
+    reports: list = []
+
+    def reported() -> bool:
+        out = transfers.worker_meta()
+        if out is not None and out.waiting_saves:
+            reports.append((out, time.monotonic() - submitted))
+        return bool(reports)
+
+    until(reported)
+    out, age = reports[0]
+    ((blocks_waiting, blocked_s),) = out.waiting_saves
+    assert blocks_waiting == 6 and REPORT_WAITING_S <= blocked_s <= age
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=out))
+    assert scheduler.decide.blocks_to_load(6) == 0  # 6 blocks, > 0.08 s each, vs ms
+    until(lambda: transfers.get_finished({req.request_id})[0] == {req.request_id})
