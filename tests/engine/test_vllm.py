@@ -247,3 +247,25 @@ def test_aborting_a_request_while_its_load_is_in_flight(reference, model, tmp_pa
     assert phases["other"]["tokens"] == reference["abort_reference"]["tokens"]
     assert phases["after"]["released"]
     assert phases["after"]["counters"]["kvtier_loaded_tokens"] > 0  # the load did land
+
+
+def test_at_its_defaults_a_fast_store_beside_a_cpu_hog_is_never_declined(model, tmp_path) -> None:
+    """The decision as shipped (load or recompute on, ``load_mode: auto``), a file store on
+    local disk, the engine beside a CPU hog: prefix reuse and a chat's turns hit, and not one
+    token is declined nor one lookup skipped (round 4's decision could switch such a store off
+    on one stalled save or two slow loads, with nothing showing why)."""
+    phases = run(
+        "defaults",
+        model=model,
+        instance=_instance(),
+        storage={"backend": "file", "root": str(tmp_path / "store")},
+    )
+    total: Counter = Counter()
+    for phase in phases.values():
+        total.update(phase["delta"])
+    assert total["kvtier_declined_tokens"] == 0, phases
+    assert total["kvtier_lookups_skipped"] == 0, phases
+    for r in range(4):  # vLLM's cache was reset: every shared block came from kvtier
+        assert phases[f"reuse{r}_again"]["delta"]["kvtier_loaded_tokens"] >= 512, phases
+    for t in (1, 2):  # each turn loads the turn before it (its prompt and its answer's blocks)
+        assert phases[f"chat{t}"]["delta"]["kvtier_loaded_tokens"] >= 512, phases

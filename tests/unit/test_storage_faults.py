@@ -52,6 +52,25 @@ def test_error_rate_fails_keys_not_calls() -> None:
         assert [store.exists_prefix([k]) == 1 for k in keys] == put  # failed puts are invisible
 
 
+def test_stalls_delay_some_reads_and_lose_no_byte() -> None:
+    """``stall_rate`` of the reads take ``stall_s`` longer; every byte still arrives."""
+    store = make_backend(
+        CONTRACT_SPEC,
+        {"backend": "memory", "faults": {"stall_rate": 0.3, "stall_s": 0.05, "seed": 2}},
+    )
+    keys = make_keys(4)
+    with _filled_pool(keys) as pool:
+        assert all(store.put_from(keys, [pool.block(i) for i in range(4)]))
+        slow = 0
+        for _ in range(30):
+            start = time.perf_counter()
+            assert all(store.get_into(keys, [pool.block(4 + i) for i in range(4)]))
+            slow += time.perf_counter() - start >= 0.05
+            for i in range(4):
+                assert bool((pool.block(4 + i) == pool.block(i)).all())
+    assert slow == store.injected["stall"] and 3 <= slow <= 18
+
+
 def test_outage_window_and_manual_switch() -> None:
     store = make_backend(
         CONTRACT_SPEC,

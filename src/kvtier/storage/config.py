@@ -55,6 +55,10 @@ class FaultConfig:
     # Added to every read and write of objects, not to lookups: a slow transfer path (a
     # congested link, a disk busy with others) in front of a quick index.
     transfer_latency_s: float = 0.0
+    # A read of objects stalls ``stall_s`` more with probability ``stall_rate`` (a disk or link
+    # that hiccups now and then: load or recompute must not switch such a store off).
+    stall_rate: float = 0.0
+    stall_s: float = 0.0
     error_rate: float = 0.0  # per key: a put is not stored / a get reports a miss
     corrupt_rate: float = 0.0  # per stored object: one random bit flipped after the put
     unavailable_after_s: float | None = None  # outage window, seconds after start
@@ -65,11 +69,18 @@ class FaultConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("latency_s", "transfer_latency_s", "error_rate", "corrupt_rate"):
+        for name in (
+            "latency_s",
+            "transfer_latency_s",
+            "stall_rate",
+            "stall_s",
+            "error_rate",
+            "corrupt_rate",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"storage.faults.{name}", f"must be a number >= 0, got {value!r}")
-        for name in ("error_rate", "corrupt_rate"):
+        for name in ("stall_rate", "error_rate", "corrupt_rate"):
             if getattr(self, name) > 1:
                 raise ConfigError(f"storage.faults.{name}", "must be in [0, 1]")
         if self.unavailable_for_s < 0:

@@ -44,6 +44,10 @@ class FaultInjectingStore(StorageBackend):
             time.sleep(self.config.latency_s)
         if self.config.transfer_latency_s and what in ("get_into", "put_from"):
             time.sleep(self.config.transfer_latency_s)
+        if what == "get_into" and self._roll(self.config.stall_rate):
+            with self._lock:
+                self.injected["stall"] += 1
+            time.sleep(self.config.stall_s)
         start = self.config.unavailable_after_s
         elapsed = time.monotonic() - self._started
         in_window = start is not None and start <= elapsed < start + self.config.unavailable_for_s
