@@ -304,6 +304,29 @@ def router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
+def reuse_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=COUNT, default=3, help="interleaved rounds, fresh servers")
+    p.add_argument("--prefixes", type=COUNT, default=12, help="distinct prefixes")
+    p.add_argument("--prefix-tokens", type=COUNT, default=1800, help="tokens per prefix")
+    p.add_argument("--suffix-tokens", type=COUNT, default=64, help="each prompt's own tokens")
+    p.add_argument("--repeats", type=COUNT, default=4, help="prompts per prefix")
+    p.add_argument("--concurrency", type=COUNT, default=3, help="requests in flight")
+    p.add_argument("--output-tokens", type=COUNT, default=16, help="tokens generated")
+    p.add_argument(
+        "--kv-bytes",
+        type=SIZE,
+        default=64 << 20,
+        help="vLLM's KV cache (64M: about a third of the default prefixes)",
+    )
+    p.add_argument(
+        "--store-faults",
+        metavar="JSON",
+        help="kvtier's file store through the fault injector, e.g. "
+        '\'{"stall_rate": 0.03, "stall_s": 0.2}\' (loads that stall now and then)',
+    )
+    server_pair_arguments(p)
+
+
 def decide_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=SEED, default=0, help="the steps' jitter and the stalls")
     p.add_argument("--json", action="store_true", help="one JSON object per scenario")
@@ -311,6 +334,7 @@ def decide_arguments(p: argparse.ArgumentParser) -> None:
 
 ARGUMENTS = {
     "decide": decide_arguments,
+    "reuse": reuse_arguments,
     "router": router_arguments,
     "trace": trace_arguments,
     "cluster": cluster_arguments,

@@ -57,6 +57,24 @@ def make_model(path: str, hidden: int = 512, layers: int = 4) -> None:
             if p.dim() == 2:
                 p.mul_(4)
     model.save_pretrained(path)
+    save_tokenizer(path, config.vocab_size)
+
+
+def save_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer over the model's whole vocabulary (``t0003`` ... one word per
+    token id; 0-2 the usual specials), so that ``vllm serve`` takes text prompts and ``vllm
+    bench serve`` can make them: decoding any ids and encoding the text gives the same ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    vocab = {special.get(i, f"t{i:04d}"): i for i in range(vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
 
 
 def prompt_set(n: int, tokens: int, shared: int) -> list[list[int]]:

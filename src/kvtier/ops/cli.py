@@ -51,6 +51,7 @@ BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "cluster": "engines sharing a Mooncake cluster; prefill/decode through it vs one instance",
     "trace": "a Mooncake-format request trace replayed against vllm serve, kvtier vs none",
     "router": "vllm-router in front of a kvtier server: TTFT through it vs direct",
+    "reuse": "vllm bench serve's prefix_repetition vs vllm serve, kvtier at its defaults vs none",
     "decide": "load or recompute replayed on the audit's sequences: hits lost vs an oracle",
 }
 

@@ -1,0 +1,235 @@
+"""Prefix reuse as vLLM's own client measures it: ``vllm bench serve --dataset-name
+prefix_repetition`` against ``vllm serve`` with kvtier and without, at kvtier's defaults.
+
+Each round starts a fresh server without a connector and a fresh one with kvtier (a new file
+store, every setting at its default: load or recompute on, ``load_mode: auto``), one at a time,
+in alternating order, on the same CPU reservation (``kvtier bench serve``'s fair binding), and
+runs vLLM's benchmark client against each with the same seed: ``--prefixes`` prefixes of
+``--prefix-tokens`` tokens, ``--repeats`` prompts each, shuffled, ``--concurrency`` in flight,
+``--output-tokens`` each, vLLM's KV cache ``--kv-bytes`` (by default a third of the prefixes).
+
+Reported per round: TTFT mean, median, p90 and p99 of each server (vLLM's client's own figures
+from its detailed result file) and kvtier ÷ no connector; then the tail two ways that are not one
+event a round: the p99 over every round's requests pooled, and the p99 of each round after its
+first burst (the first ``--concurrency`` requests, which start cold in both servers). The load
+average is beside each server, and kvtier's counters (declined tokens, skipped lookups, loaded
+tokens) and the decision's estimates (its gauges) as ``/metrics`` showed them at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier_bench.common import print_json_rows, progress
+from kvtier_bench.serve import binding, reserved_cpus
+from kvtier_bench.vllm_server import Server
+
+COUNTERS = {
+    "loaded_tokens": "vllm:kvtier_loaded_tokens_total",
+    "declined_tokens": "vllm:kvtier_declined_tokens_total",
+    "lookups_skipped": "vllm:kvtier_lookups_skipped_total",
+    "in_step_loaded_tokens": "vllm:kvtier_in_step_loaded_tokens_total",
+    "external_hit_tokens": "vllm:external_prefix_cache_hits_total",
+}
+CLIENT_TIMEOUT_S = 1800.0
+
+
+def client_command(args: argparse.Namespace, server: Server, result: Path, seed: int) -> list:
+    return [
+        sys.executable, "-m", "kvtier.vllm", "bench", "serve",
+        "--backend", "vllm",
+        "--base-url", server.url,
+        "--endpoint", "/v1/completions",
+        "--model", server.model,
+        "--tokenizer", server.model,
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(args.prefix_tokens),
+        "--prefix-repetition-suffix-len", str(args.suffix_tokens),
+        "--prefix-repetition-num-prefixes", str(args.prefixes),
+        "--prefix-repetition-output-len", str(args.output_tokens),
+        "--num-prompts", str(args.prefixes * args.repeats),
+        "--max-concurrency", str(args.concurrency),
+        "--ignore-eos",
+        "--seed", str(seed),
+        "--percentile-metrics", "ttft,tpot",
+        "--metric-percentiles", "50,90,99",
+        "--save-result", "--save-detailed",
+        "--result-dir", str(result.parent),
+        "--result-filename", result.name,
+    ]  # fmt: skip
+
+
+def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, Any]:
+    extra = None
+    if label == "kvtier":
+        storage: dict[str, Any] = {"backend": "file", "root": str(root / f"store{run}")}
+        if args.store_faults:
+            storage["faults"] = json.loads(args.store_faults)
+        extra = {"storage": storage, **json.loads(args.kvtier_settings)}
+    server = Server(
+        model,
+        root / f"{label}{run}",
+        kvtier=extra,
+        kv_bytes=args.kv_bytes,
+        max_model_len=args.prefix_tokens + args.suffix_tokens + args.output_tokens + 64,
+        max_num_seqs=max(8, args.concurrency),
+        reserved_cpus=reserved_cpus(args),
+        tokenizer=True,
+    )
+    out: dict[str, Any] = {"server": label, "round": run + 1}
+    try:
+        server.start()
+        out["ready_s"] = round(server.wait_ready(), 1)
+        out["binding"] = binding(server)
+        server.complete("t0005 t0006 t0007 t0008", 2)  # warm-up, unrelated to the prompts
+        server.reset_prefix_cache()
+        before = server.metrics()
+        result = root / f"{label}{run}.json"
+        done = subprocess.run(
+            client_command(args, server, result, seed=run),
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"vllm bench serve failed: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
+        after = server.metrics()
+        data = json.loads(result.read_text())
+        out["load_average"] = round(os.getloadavg()[0], 2)
+        # in the order the requests were sent (the first burst first)
+        sent = sorted(zip(data["start_times"], data["ttfts"]))
+        out["ttfts"] = [ttft for _, ttft in sent if ttft]
+        out["failed"] = data["failed"]
+        out["completed"] = data["completed"]
+        out["generated"] = data.get("generated_texts", [])
+        for name, metric in COUNTERS.items():
+            out[name] = after.get(metric, 0) - before.get(metric, 0)
+        out["estimates"] = {
+            k.split("{", 1)[1].rstrip("}"): v for k, v in after.items() if "kvtier_estimate" in k
+        }
+        out["stop_s"] = server.stop()
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.stop("group", 9)
+        server.kill_marked()
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """vLLM's client's own: numpy's linear interpolation."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def figures(ttfts: list[float], first_burst: int) -> dict[str, float]:
+    later = ttfts[first_burst:]
+    return {
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_p99_after_first_burst_s": percentile(later, 99),
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+def rows_of(rounds: list[dict[str, dict]], burst: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in rounds:
+        plain, kvtier = figures(r["plain"]["ttfts"], burst), figures(r["kvtier"]["ttfts"], burst)
+        rows.append(
+            {
+                "round": r["plain"]["round"],
+                **{f"plain_{k}": round(v, 4) for k, v in plain.items()},
+                **{f"kvtier_{k}": round(v, 4) for k, v in kvtier.items()},
+                **{f"ratio_{k}": _ratio(kvtier[k], plain[k]) for k in plain},
+                "same_completions": r["plain"]["generated"] == r["kvtier"]["generated"],
+                "load_average": [r["plain"]["load_average"], r["kvtier"]["load_average"]],
+                **{k: r["kvtier"][k] for k in COUNTERS},
+                "estimates": r["kvtier"]["estimates"],
+            }
+        )
+    pooled = {
+        s: figures([t for r in rounds for t in r[s]["ttfts"]], 0) for s in ("plain", "kvtier")
+    }
+    rows.append(
+        {
+            "round": "pooled",
+            "ratio_ttft_p99_s": round(
+                pooled["kvtier"]["ttft_p99_s"] / pooled["plain"]["ttft_p99_s"], 3
+            ),
+            "ratio_ttft_mean_s": round(
+                pooled["kvtier"]["ttft_mean_s"] / pooled["plain"]["ttft_mean_s"], 3
+            ),
+            "ratio_ttft_p50_s": round(
+                pooled["kvtier"]["ttft_p50_s"] / pooled["plain"]["ttft_p50_s"], 3
+            ),
+        }
+    )
+    return rows
+
+
+def print_report(rows: list[dict[str, Any]]) -> None:
+    shown = [
+        "ttft_mean_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "ttft_p99_after_first_burst_s",
+    ]
+    print(f"{'round':<7} {'measure':<30} {'no connector':>12} {'kvtier':>9} {'ratio':>7}  load")
+    for row in rows:
+        if row["round"] == "pooled":
+            continue
+        for k in shown:
+            print(
+                f"{row['round']:<7} {k:<30} {row['plain_' + k]:>12.3f} {row['kvtier_' + k]:>9.3f} "
+                f"{row['ratio_' + k]:>7.3f}  {row['load_average']}"
+            )
+        print(
+            f"{'':<7} kvtier: loaded {row['loaded_tokens']:.0f}, declined "
+            f"{row['declined_tokens']:.0f}, skipped lookups {row['lookups_skipped']:.0f}, "
+            f"same completions: {row['same_completions']}"
+        )
+        print(f"{'':<7} estimates: {row['estimates']}")
+    pooled = rows[-1]
+    print(
+        f"pooled over rounds: TTFT p99 ratio {pooled['ratio_ttft_p99_s']}, mean "
+        f"{pooled['ratio_ttft_mean_s']}, p50 {pooled['ratio_ttft_p50_s']}"
+    )
+
+
+def report(args: argparse.Namespace) -> int:
+    from kvtier_bench.vllm_engine import model_or_built
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-reuse-") as tmp:
+        root = Path(tmp)
+        model = model_or_built(args.model, root)
+        rounds = []
+        for run in range(args.rounds):
+            order = ["plain", "kvtier"] if run % 2 == 0 else ["kvtier", "plain"]
+            entry = {}
+            for label in order:
+                progress(f"round {run + 1}/{args.rounds}: {label}")
+                entry[label] = one_server(args, model, root, label, run)
+            rounds.append(entry)
+    rows = rows_of(rounds, args.concurrency)
+    if args.json:
+        print_json_rows(rows)
+    else:
+        print_report(rows)
+    return 0
