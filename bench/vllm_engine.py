@@ -60,15 +60,24 @@ def make_model(path: str, hidden: int = 512, layers: int = 4) -> None:
     save_tokenizer(path, config.vocab_size)
 
 
+WORD_LETTERS = "abcdefghijklmnopqrstuvwxyz012345"  # two of them name each of 1,024 token ids
+
+
 def save_tokenizer(path: str, vocab_size: int) -> None:
-    """A word-level tokenizer over the model's whole vocabulary (``t0003`` ... one word per
-    token id; 0-2 the usual specials), so that ``vllm serve`` takes text prompts and ``vllm
-    bench serve`` can make them: decoding any ids and encoding the text gives the same ids."""
+    """A word-level tokenizer over the model's whole vocabulary (``ad``, ``ae``, ... one
+    two-letter word per token id; 0-2 the usual specials), so that ``vllm serve`` takes text
+    prompts and ``vllm bench serve`` can make them: decoding any ids and encoding the text gives
+    the same ids. Three characters a token with its space: vLLM refuses a prompt of more than
+    five characters a token of the context (before tokenizing it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    n = len(WORD_LETTERS)
+    assert vocab_size <= n * n
     special = {0: "<unk>", 1: "<s>", 2: "</s>"}
-    vocab = {special.get(i, f"t{i:04d}"): i for i in range(vocab_size)}
+    vocab = {
+        special.get(i, WORD_LETTERS[i // n] + WORD_LETTERS[i % n]): i for i in range(vocab_size)
+    }
     words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     words.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces

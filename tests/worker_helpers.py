@@ -127,6 +127,9 @@ def scrape_a_busy_worker(tmp_path) -> str:
         client.save(hashes(2), [1, 2])
         client.load(hashes(2), [3, 4])
         client.submit(t.SwapOut(device_block_ids=[999], host_block_ids=[0])).result(10)  # an error
+        # the engine's load-or-recompute estimates, as the vLLM connector sends them
+        estimates = {"prefill_s_per_token": 0.0001, "tier0_load_s_per_block": 0.002}
+        assert client.control("estimates", **estimates).code == 200
         return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
 

@@ -140,6 +140,16 @@ def test_control_errors(tmp_path) -> None:
         assert client.control("pause", bogus=1).code == 400
         stats = client.control("stats").per_rank[0].data
         assert stats["state"] == "running" and "queue_depths" in stats
+        for bad, why in (
+            ({"step_s": -1.0}, "step_s must be seconds >= 0"),
+            ({"step_s": "fast"}, "step_s must be seconds >= 0"),
+            ({"Bad-Name": 1.0}, "bad name"),
+            ({f"n{i}": 1.0 for i in range(40)}, "at most 32 names"),
+        ):
+            answer = client.control("estimates", **bad)
+            assert answer.code == 400 and why in answer.message, answer.message
+        assert client.control("estimates", step_s=0.05).code == 200
+        assert client.control("stats").per_rank[0].data["estimates"] == {"step_s": 0.05}
 
 
 def test_bad_input_gets_a_clear_error_and_the_worker_goes_on(tmp_path) -> None:
@@ -449,6 +459,8 @@ def test_prometheus_metrics_are_scraped_over_loopback(tmp_path) -> None:
         'kvtier_storage_puts_total{rank="0",result="ok"} 2.0',
         'kvtier_queue_depth{direction="save",rank="0"} 0.0',
         'kvtier_worker_state{rank="0",state="running"} 1.0',
+        'kvtier_estimate_seconds{rank="0",tier="",what="prefill_s_per_token"} 0.0001',
+        'kvtier_estimate_seconds{rank="0",tier="0",what="load_s_per_block"} 0.002',
     ]
     for line in want:
         assert line in text, line

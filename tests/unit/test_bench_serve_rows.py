@@ -46,3 +46,42 @@ def test_rounds_without_the_tiered_server_add_no_tiered_figures(capsys) -> None:
     assert not any("tiered_vs_kvtier" in r for r in rows)
     print_tiered(rows)
     assert capsys.readouterr().out == ""
+
+
+def _server(label: str, run: int, ttfts: list[float]) -> dict:
+    from kvtier_bench.reuse import COUNTERS
+
+    return {
+        "server": label,
+        "round": run,
+        "ttfts": ttfts,
+        "generated": ["a"] * len(ttfts),
+        "load_average": 1.0,
+        "estimates": {"step_s": 0.05},
+        **{k: 0 for k in COUNTERS},
+    }
+
+
+def test_bench_reuse_reports_tails_that_are_not_one_event_a_round(capsys) -> None:
+    """Each round's p99 is its slowest request or so; the pooled p99 and the p99 after the first
+    burst (the first ``concurrency`` requests, cold in both servers) are not."""
+    from kvtier_bench.reuse import print_report, rows_of
+
+    rounds = []
+    for run in (1, 2):
+        cold = [3.0, 2.0, 2.0]  # the first burst: slow in both
+        rounds.append(
+            {
+                "plain": _server("plain", run, cold + [1.0] * 45),
+                "kvtier": _server("kvtier", run, [4.0, 2.0, 2.0] + [0.5] * 45),
+            }
+        )
+    rows = rows_of(rounds, burst=3)
+    first = rows[0]
+    assert first["ratio_ttft_p99_s"] > 1.0  # the first request alone decides it
+    assert first["ratio_ttft_p99_after_first_burst_s"] == 0.5
+    assert first["ratio_ttft_p50_s"] == 0.5 and first["same_completions"]
+    pooled = rows[-1]
+    assert pooled["round"] == "pooled" and pooled["ratio_ttft_p50_s"] == 0.5
+    print_report(rows)
+    assert "pooled over rounds" in capsys.readouterr().out

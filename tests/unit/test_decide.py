@@ -541,3 +541,38 @@ def test_the_simulator_loses_no_hit_the_oracle_takes() -> None:
         assert out[name].hit_tokens >= 0.9 * calm.hit_tokens, name
     for name in ("budget-slow", "gpu-step", "slow-store"):
         assert out[name].oracle_loads == 0 and out[name].loads <= 16, name
+
+
+def test_the_estimates_are_gauges_in_vllms_stats_never_summed() -> None:
+    from kvtier.vllm.stats import KvtierConnectorStats
+
+    older, newer = KvtierConnectorStats(), KvtierConnectorStats()
+    older.add(loaded_tokens=32)
+    older.set_estimates({"prefill_s_per_token": 1e-4, "tier1_load_s_per_block": 0.2})
+    newer.add(loaded_tokens=16)
+    newer.set_estimates({"prefill_s_per_token": 2e-4})
+    out = older.aggregate(newer).reduce()
+    assert out["loaded_tokens"] == 48  # counters add up
+    assert out["estimate_prefill_s_per_token"] == 2e-4  # gauges: the newer replace the older
+    assert "estimate_tier1_load_s_per_block" not in out
+
+
+def test_a_decline_is_explained_in_the_log_once_per_period(monkeypatch, caplog) -> None:
+    from kvtier.vllm import scheduler
+
+    clock = [0.0]
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock[0])
+    d = LoadOrRecompute(BS)
+    _steps(d, decode_s=0.05, per_token_s=0.0179 / BS)
+    for _ in range(3):
+        d.loaded(14, 0.6)
+    declines = scheduler._DeclineLog()
+    with caplog.at_level("INFO", logger=scheduler.__name__):
+        for _ in range(3):
+            declines.note(d, 14, b"", ["file"])
+            clock[0] += scheduler.DECLINE_LOG_EVERY_S / 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("kvtier declined 14 of 14 stored blocks (14 from tier 0 (file))")
+    assert "load estimated 600.0 ms, recompute 250.6 ms" in lines[0]
+    assert "1 more declined since the last line" in lines[1]

@@ -70,6 +70,9 @@ class ControlMethod(str, Enum):
     SLEEP = "sleep"
     WAKEUP = "wakeup"
     STATS = "stats"
+    # The engine's load-or-recompute estimates (``kvtier.vllm.decide``), sent by its rank 0 now
+    # and then: the worker only keeps them, for its exporter and ``stats``.
+    ESTIMATES = "estimates"
 
 
 class Code(IntEnum):

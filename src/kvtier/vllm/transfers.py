@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # an idle step waits at most this long for an in-flight load
 FENCE_TIMEOUT_S = 120.0  # a preemption or shutdown waits this long for a task's answer
+ESTIMATES_TIMEOUT_S = 5.0  # the estimates sent to the kvtier worker (each second) expire then
 
 
 class StepTransfers:
@@ -65,9 +66,14 @@ class StepTransfers:
             return  # most steps: called on vLLM's step path, so nothing is done for nothing
         if self.rank == 0 and meta.lookup_counts:
             self._count(**meta.lookup_counts)  # the scheduler's counts, reported once
-        if self.rank == 0 and meta.estimates:
-            with self._stats_lock:
-                self.stats.set_estimates(meta.estimates)
+        if meta.estimates:
+            if self.rank == 0:  # vLLM's stats: once
+                with self._stats_lock:
+                    self.stats.set_estimates(meta.estimates)
+            if self.client is not None:  # this rank's kvtier worker: its exporter shows them
+                args: dict[str, t.Scalar] = dict(meta.estimates)
+                control = t.Control(method=t.ControlMethod.ESTIMATES.value, args=args)
+                self.client.submit(control, ESTIMATES_TIMEOUT_S)  # answered or not: no matter
         sync = []
         for spec in meta.loads:
             task = t.Load(block_hashes=spec.block_hashes, device_block_ids=spec.block_ids)

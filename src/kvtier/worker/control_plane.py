@@ -1,4 +1,4 @@
-"""Control requests of a worker: pause, resume, update_weights, sleep, wakeup, stats.
+"""Control requests of a worker: pause, resume, update_weights, sleep, wakeup, stats, estimates.
 
 A request is handled in two parts. At receipt, on the worker's loop thread and in message
 order, it does what orders it against data tasks: ``pause``/``sleep`` start holding new data
@@ -13,6 +13,8 @@ arguments, 409 for a request the current state does not allow, 500 when a handle
 from __future__ import annotations
 
 import logging
+import math
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 60.0  # pause/sleep wait this long for in-flight tasks unless told otherwise
 ALLOWED = ", ".join(m.value for m in ControlMethod)
 ARGUMENTS = {ControlMethod.UPDATE_WEIGHTS: {"version", "allow_rollback"}}
+MAX_ESTIMATES = 32  # names an ``estimates`` request may carry (a tier chain's, with room)
+ESTIMATE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 @dataclass
@@ -62,6 +66,9 @@ class ControlPlane:
         self._stats = stats
         self.rank = rank
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-control")
+        # The engine's load-or-recompute estimates, as its last ``estimates`` request gave them
+        # (name -> seconds; read by the exporter and ``stats`` from other threads: replaced whole)
+        self.estimates: dict[str, float] = {}
 
     def receive(self, peer: bytes, task: Control) -> None:
         """Loop thread: the ordering part now; the rest, if any, on the control thread."""
@@ -84,8 +91,14 @@ class ControlPlane:
         self._finish(peer, task, answer)
 
     def _finish(self, peer: bytes, task: Control, answer: Answer) -> None:
-        log.info(
-            "rank %d: control %s -> %d %s", self.rank, task.method, answer.code, answer.message
+        quiet = task.method == ControlMethod.ESTIMATES.value and answer.code == Code.OK
+        log.log(  # estimates come every second: not a line each
+            logging.DEBUG if quiet else logging.INFO,
+            "rank %d: control %s -> %d %s",
+            self.rank,
+            task.method,
+            answer.code,
+            answer.message,
         )
         self._reply(peer, task, answer)
 
@@ -107,6 +120,8 @@ class ControlPlane:
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
         ):
             return Answer(Code.BAD_REQUEST, f"timeout_s must be a positive number, got {timeout!r}")
+        if method is ControlMethod.ESTIMATES:
+            return self._estimates(args)
         unknown = sorted(set(args) - ARGUMENTS.get(method, set()))
         if unknown:
             return Answer(Code.BAD_REQUEST, f"{method.value} takes no argument {unknown[0]!r}")
@@ -127,6 +142,22 @@ class ControlPlane:
         raise AssertionError(method)
 
     # ---- handlers ---------------------------------------------------------------------------
+
+    def _estimates(self, args: dict[str, Any]) -> Answer:
+        if len(args) > MAX_ESTIMATES:
+            return Answer(Code.BAD_REQUEST, f"estimates: at most {MAX_ESTIMATES} names")
+        for name, value in args.items():
+            if not ESTIMATE_NAME.fullmatch(name):
+                return Answer(Code.BAD_REQUEST, f"estimates: bad name {name[:64]!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                return Answer(Code.BAD_REQUEST, f"estimates: {name} must be seconds >= 0")
+        self.estimates = {name: float(value) for name, value in args.items()}
+        return Answer(Code.OK, f"{len(args)} estimates")
 
     def _pause(self, drain_s: float) -> Answer | Deferred:
         state = self.gate.state

@@ -328,6 +328,7 @@ class Worker:
             "namespace": self.config.namespace,
             "fingerprint": self.config.spec.fingerprint,
             "endpoint": self.config.endpoint_address,
+            "estimates": dict(self.control.estimates),
         }
 
     # ---- shutdown ---------------------------------------------------------------------------

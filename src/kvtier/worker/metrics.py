@@ -20,6 +20,7 @@ Stable names (every series carries ``rank``):
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -188,6 +189,17 @@ class _Snapshot:
         for name in STATES:
             state.add_metric([self.rank, name], 1.0 if s["state"] == name else 0.0)
         yield state
+        estimates = GaugeMetricFamily(
+            "kvtier_estimate_seconds",
+            "The engine's load-or-recompute estimates (kvtier.vllm.decide): prefill_s_per_token, "
+            "step_s, per tier load_fixed_s and load_s_per_block, save_floor_s_per_block",
+            labels=["rank", "what", "tier"],
+        )
+        for name, value in s.get("estimates", {}).items():
+            tier = ESTIMATE_TIER.fullmatch(name)
+            what, level = (tier.group(2), tier.group(1)) if tier else (name, "")
+            estimates.add_metric([self.rank, what, level], value)
+        yield estimates
 
     def _tiers(self, tiers: list[dict[str, Any]]):
         if not tiers:
@@ -215,6 +227,8 @@ class _Snapshot:
                 pending.add_metric(where, t["pending_writes"])
         yield from (blocks, events, pending)
 
+
+ESTIMATE_TIER = re.compile(r"tier(\d+)_(.+)")
 
 TIER_EVENTS = (
     ("evicted", "evictions"),
