@@ -324,6 +324,11 @@ def reuse_arguments(p: argparse.ArgumentParser) -> None:
         help="kvtier's file store through the fault injector, e.g. "
         '\'{"stall_rate": 0.03, "stall_s": 0.2}\' (loads that stall now and then)',
     )
+    p.add_argument(
+        "--null-connector",
+        action="store_true",
+        help="one more server per round: vLLM with a connector that does nothing",
+    )
     server_pair_arguments(p)
 
 

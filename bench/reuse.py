@@ -8,6 +8,9 @@ runs vLLM's benchmark client against each with the same seed: ``--prefixes`` pre
 ``--prefix-tokens`` tokens, ``--repeats`` prompts each, shuffled, ``--concurrency`` in flight,
 ``--output-tokens`` each, vLLM's KV cache ``--kv-bytes`` (by default a third of the prefixes).
 
+``--null-connector`` adds a server per round with a connector that does nothing
+(``kvtier_bench.null_connector``): what vLLM's connector machinery costs alone.
+
 Reported per round: TTFT mean, median, p90 and p99 of each server (vLLM's client's own figures
 from its detailed result file) and kvtier ÷ no connector; then the tail two ways that are not one
 event a round: the p99 over every round's requests pooled, and the p99 of each round after its
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_bench.common import print_json_rows, progress
-from kvtier_bench.serve import binding, reserved_cpus
+from kvtier_bench.serve import NULL_CONNECTOR, binding, reserved_cpus
 from kvtier_bench.vllm_server import Server
 
 COUNTERS = {
@@ -79,6 +82,7 @@ def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, 
         model,
         root / f"{label}{run}",
         kvtier=extra,
+        connector=NULL_CONNECTOR if label == "null" else None,
         kv_bytes=args.kv_bytes,
         max_model_len=args.prefix_tokens + args.suffix_tokens + args.output_tokens + 64,
         max_num_seqs=max(8, args.concurrency),
@@ -183,6 +187,17 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
 
+def _null(r: dict[str, dict], burst: int) -> dict[str, Any]:
+    """The null connector's figures and ratio to no connector, where it ran."""
+    if "null" not in r:
+        return {}
+    plain, null = figures(r["plain"]["ttfts"], burst), figures(r["null"]["ttfts"], burst)
+    return {
+        **{f"null_ratio_{k}": _ratio(null[k], plain[k]) for k in plain},
+        "null_ttfts_ms": [round(t * 1e3) for t in r["null"]["ttfts"]],
+    }
+
+
 def rows_of(rounds: list[dict[str, dict]], burst: int) -> list[dict[str, Any]]:
     rows = []
     for r in rounds:
@@ -200,6 +215,7 @@ def rows_of(rounds: list[dict[str, dict]], burst: int) -> list[dict[str, Any]]:
                 # each request's TTFT (ms) in the order sent, the same prompts in both servers
                 "plain_ttfts_ms": [round(t * 1e3) for t in r["plain"]["ttfts"]],
                 "kvtier_ttfts_ms": [round(t * 1e3) for t in r["kvtier"]["ttfts"]],
+                **_null(r, burst),
             }
         )
     pooled = {
@@ -245,6 +261,11 @@ def print_report(rows: list[dict[str, Any]]) -> None:
             f"same completions: {row['same_completions']}"
         )
         print(f"{'':<7} estimates: {row['estimates']}")
+        if "null_ratio_ttft_p99_s" in row:
+            print(
+                f"{'':<7} null connector / no connector: TTFT mean "
+                f"{row['null_ratio_ttft_mean_s']}, p99 {row['null_ratio_ttft_p99_s']}"
+            )
     pooled = rows[-1]
     print(
         f"pooled over rounds: TTFT p99 ratio {pooled['ratio_ttft_p99_s']}, mean "
@@ -261,6 +282,8 @@ def report(args: argparse.Namespace) -> int:
         rounds = []
         for run in range(args.rounds):
             order = ["plain", "kvtier"] if run % 2 == 0 else ["kvtier", "plain"]
+            if args.null_connector:
+                order.insert(run % 3, "null")
             entry = {}
             for label in order:
                 progress(f"round {run + 1}/{args.rounds}: {label}")
