@@ -71,9 +71,18 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
+CPU: dict[str, Any] = {"decode_s": 0.05, "per_token_s": 0.25 / 1792}  # 1,792 tokens: 250 ms
+# a fast store: 25 ms for 14 blocks (recompute 250 ms)
+FAST: dict[str, Any] = {
+    **CPU,
+    "load_fixed_s": 0.0,
+    "load_per_block_s": 0.025 / 14,
+    "hit_blocks": 14,
+}
+
+
 def scenarios() -> list[Scenario]:
-    cpu = {"decode_s": 0.05, "per_token_s": 0.25 / 1792}  # 1792 tokens: 250 ms (vLLM CPU)
-    fast = {**cpu, "load_fixed_s": 0.0, "load_per_block_s": 0.025 / 14, "hit_blocks": 14}
+    cpu, fast, slow_store = CPU, FAST, {**FAST, "load_fixed_s": 2.0, "load_per_block_s": 0.0}
     return [
         Scenario(
             "budget",
@@ -125,82 +134,83 @@ def scenarios() -> list[Scenario]:
             load_per_block_s=0.0,
             hit_blocks=96,
         ),
-        Scenario(
-            "slow-store",
-            "a store 2 s a transfer (recompute 250 ms)",
-            load_fixed_s=2.0,
-            load_per_block_s=0.0,
-            **{k: v for k, v in fast.items() if k not in ("load_fixed_s", "load_per_block_s")},
-        ),
+        Scenario("slow-store", "a store 2 s a transfer (recompute 250 ms)", **slow_store),
     ]
 
 
-def replay(s: Scenario, seed: int = 0, make: Callable[..., Any] | None = None) -> Outcome:
-    """One run of ``s`` through a fresh decision on a simulated clock (``make(clock)``: another
-    decision to replay, e.g. an older one)."""
-    rng = random.Random(seed)
-    clock = [1000.0]
-    now = lambda: clock[0]  # noqa: E731
-    d = make(now) if make is not None else LoadOrRecompute(BLOCK, seed=seed, clock=now)
-    out = Outcome(s.name)
-    loads_done = 0
+class _Replay:
+    """One run of a scenario: the simulated clock, the decision, the outcome so far."""
 
-    def run_step(tokens: int, true_s: float) -> None:
-        d.step(tokens, clock[0])
-        clock[0] += true_s * (1 + s.step_jitter * (2 * rng.random() - 1))
+    def __init__(self, s: Scenario, seed: int, make: Callable[..., Any] | None) -> None:
+        self.s, self.rng, self.clock = s, random.Random(seed), 1000.0
+        now = lambda: self.clock  # noqa: E731
+        self.d = make(now) if make is not None else LoadOrRecompute(BLOCK, seed=seed, clock=now)
+        self.out = Outcome(s.name)
+        self.loads_done = 0
 
-    def prefill(tokens: int) -> None:
+    def step(self, tokens: int, true_s: float) -> None:
+        self.d.step(tokens, self.clock)
+        self.clock += true_s * (1 + self.s.step_jitter * (2 * self.rng.random() - 1))
+
+    def prefill(self, tokens: int) -> None:
         while tokens > 0:
-            chunk = min(tokens, s.miss_tokens[0])
-            run_step(chunk, s.decode_s + s.per_token_s * chunk)
+            chunk = min(tokens, self.s.miss_tokens[0])
+            self.step(chunk, self.s.decode_s + self.s.per_token_s * chunk)
             tokens -= chunk
 
-    misses = 0
-    for i in range(s.requests):
-        for _ in range(s.decodes_between):
-            run_step(DECODE_TOKENS, s.decode_s)
-        if s.blocked_save is not None and i == s.blocked_save[0]:
-            clock[0] += s.blocked_save[1]  # no load meanwhile
-            d.waiting(1, s.blocked_save[2])
-        out.requests += 1
-        if i % s.hit_every:
-            prefill(s.miss_tokens[misses % len(s.miss_tokens)])
-            misses += 1
-            continue
-        found = s.hit_blocks
+    def load_s(self, blocks: int) -> float:
+        """A load's true time now: the usual, or stall_factor x that in a stall."""
+        s, seconds = self.s, self.s.load_fixed_s + self.s.load_per_block_s * blocks
+        slow_now = s.slow_share and self.clock % (s.slow_window_s / s.slow_share) < s.slow_window_s
+        if self.loads_done in s.stall_at or self.rng.random() < s.stall_rate or slow_now:
+            seconds *= s.stall_factor
+        self.loads_done += 1
+        return seconds
+
+    def hit(self) -> None:
+        s, d, out, found = self.s, self.d, self.out, self.s.hit_blocks
         out.hits += 1
         usual = s.load_fixed_s + s.load_per_block_s * found
         recompute = s.per_token_s * found * BLOCK
         oracle = found if usual < recompute else 0
         out.oracle_loads += oracle > 0
         out.oracle_hit_tokens += oracle * BLOCK
-        if d.worth_looking_up(found):
-            k = d.blocks_to_load(found)
-        else:
-            k = 0
-            out.lookups_skipped += 1
+        looked_up = d.worth_looking_up(found)
+        out.lookups_skipped += not looked_up
+        k = d.blocks_to_load(found) if looked_up else 0
         cost = s.per_token_s * (found - k) * BLOCK
         if k:
-            load_s = s.load_fixed_s + s.load_per_block_s * k
-            slow_now = (
-                s.slow_share and (clock[0] % (s.slow_window_s / s.slow_share)) < s.slow_window_s
-            )
-            if loads_done in s.stall_at or rng.random() < s.stall_rate or slow_now:
-                load_s *= s.stall_factor
-            loads_done += 1
+            load_s = self.load_s(k)
             d.loaded(k, load_s)
-            clock[0] += load_s  # the request waits for it; the engine's next steps follow it
+            self.clock += load_s  # the request waits for it; the engine's next steps follow it
             cost += load_s
             out.loads += 1
             out.hit_tokens += k * BLOCK
-            if usual > 1.2 * recompute:
-                out.slow_loads += 1
-        if oracle and k < found:
-            out.hits_lost += 1
+            out.slow_loads += usual > 1.2 * recompute
+        out.hits_lost += bool(oracle and k < found)
         out.seconds_vs_oracle += cost - (usual if oracle else recompute)
-        prefill(TAIL_TOKENS + (found - k) * BLOCK)
-    out.seconds_vs_oracle = round(out.seconds_vs_oracle, 3)
-    return out
+        self.prefill(TAIL_TOKENS + (found - k) * BLOCK)
+
+
+def replay(s: Scenario, seed: int = 0, make: Callable[..., Any] | None = None) -> Outcome:
+    """One run of ``s`` through a fresh decision on a simulated clock (``make(clock)``: another
+    decision to replay, e.g. an older one)."""
+    run = _Replay(s, seed, make)
+    misses = 0
+    for i in range(s.requests):
+        for _ in range(s.decodes_between):
+            run.step(DECODE_TOKENS, s.decode_s)
+        if s.blocked_save is not None and i == s.blocked_save[0]:
+            run.clock += s.blocked_save[1]  # no load meanwhile
+            run.d.waiting(1, s.blocked_save[2])
+        run.out.requests += 1
+        if i % s.hit_every:
+            run.prefill(s.miss_tokens[misses % len(s.miss_tokens)])
+            misses += 1
+        else:
+            run.hit()
+    run.out.seconds_vs_oracle = round(run.out.seconds_vs_oracle, 3)
+    return run.out
 
 
 def run_all(seed: int = 0, make: Callable[..., Any] | None = None) -> list[Outcome]:

@@ -72,6 +72,7 @@ def client_command(args: argparse.Namespace, server: Server, result: Path, seed:
 
 
 def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, Any]:
+    """A fresh server (``plain``, ``kvtier`` or ``null``) through one run of vLLM's client."""
     extra = None
     if label == "kvtier":
         storage: dict[str, Any] = {"backend": "file", "root": str(root / f"store{run}")}
@@ -97,36 +98,9 @@ def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, 
         # Warm-up: one long prompt of unrelated tokens, so that neither server's first burst
         # pays its process's first long prefill (kernel and memory first use): the tail is the
         # workload's, not the server's start (the p99 after the first burst is shown too).
-        warm = " ".join(["af ag ah ai"] * (args.prefix_tokens // 4))
-        server.complete(warm, 2)
+        server.complete(" ".join(["af ag ah ai"] * (args.prefix_tokens // 4)), 2)
         server.reset_prefix_cache()
-        before = server.metrics()
-        result = root / f"{label}{run}.json"
-        done = subprocess.run(
-            client_command(args, server, result, seed=run),
-            capture_output=True,
-            text=True,
-            timeout=CLIENT_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"vllm bench serve failed: {done.stdout[-2000:]}{done.stderr[-2000:]}"
-            )
-        after = server.metrics()
-        data = json.loads(result.read_text())
-        if data["failed"]:
-            errors = [e for e in data["errors"] if e]
-            raise RuntimeError(f"{data['failed']} requests failed, e.g.: {errors[0][:500]}")
-        out["load_average"] = round(os.getloadavg()[0], 2)
-        # in the order the requests were sent (the first burst first)
-        sent = sorted(zip(data["start_times"], data["ttfts"]))
-        out["ttfts"] = [ttft for _, ttft in sent if ttft]
-        out["failed"] = data["failed"]
-        out["completed"] = data["completed"]
-        out["generated"] = data.get("generated_texts", [])
-        for name, metric in COUNTERS.items():
-            out[name] = after.get(metric, 0) - before.get(metric, 0)
-        out["estimates"] = estimates(server)
+        out.update(measure(args, server, root / f"{label}{run}.json", run))
         out["stop_s"] = server.stop()
         ttfts = out["ttfts"]
         progress(
@@ -139,6 +113,37 @@ def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, 
         if server.process is not None and server.process.poll() is None:
             server.stop("group", 9)
         server.kill_marked()
+    return out
+
+
+def measure(args: argparse.Namespace, server: Server, result: Path, run: int) -> dict[str, Any]:
+    """vLLM's client against ``server`` (its detailed result in ``result``): each request's
+    TTFT in the order sent, the completions, kvtier's counters and estimates, the load."""
+    before = server.metrics()
+    done = subprocess.run(
+        client_command(args, server, result, seed=run),
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    after = server.metrics()
+    data = json.loads(result.read_text())
+    if data["failed"]:
+        errors = [e for e in data["errors"] if e]
+        raise RuntimeError(f"{data['failed']} requests failed, e.g.: {errors[0][:500]}")
+    sent = sorted(zip(data["start_times"], data["ttfts"]))  # the first burst first
+    out: dict[str, Any] = {
+        "load_average": round(os.getloadavg()[0], 2),
+        "ttfts": [ttft for _, ttft in sent if ttft],
+        "failed": data["failed"],
+        "completed": data["completed"],
+        "generated": data.get("generated_texts", []),
+        "estimates": estimates(server),
+    }
+    for name, metric in COUNTERS.items():
+        out[name] = after.get(metric, 0) - before.get(metric, 0)
     return out
 
 

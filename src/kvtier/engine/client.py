@@ -26,7 +26,7 @@ import msgspec
 from kvtier.common.interrupts import deferred_interrupts
 from kvtier.engine.fanin import ControlAnswer, TaskFuture, aggregate
 from kvtier.engine.launcher import Launch, end_worker, start_workers, worker_configs
-from kvtier.engine.ranks import Rank
+from kvtier.engine.ranks import Rank, blocked_save
 from kvtier.engine.supervisor import Supervisor
 from kvtier.errors import TaskTimeout, WorkerError
 from kvtier.layout.spec import KVCacheSpec
@@ -267,11 +267,8 @@ class Client:
 
     def blocked_save(self) -> tuple[int, float] | None:
         """(blocks, seconds) of the save blocked longest on its store, over ranks, as their
-        latest heartbeats tell (``Heartbeat.save_blocked_s``); None when none is."""
-        fresh = time.monotonic() - BLOCKED_REPORT_FRESH * self.heartbeat_interval_s
-        reports = [r.save_blocked for r in self._ranks if r.save_blocked[2] >= fresh]
-        blocks, seconds, _ = max(reports, key=lambda rep: rep[1], default=(0, 0.0, 0.0))
-        return (blocks, seconds) if blocks > 0 and seconds > 0 else None
+        latest heartbeats tell; None when none is (``kvtier.engine.ranks.blocked_save``)."""
+        return blocked_save(self._ranks, BLOCKED_REPORT_FRESH * self.heartbeat_interval_s)
 
     def ping(self, timeout_s: float = 5.0) -> float:
         """Round trip of a heartbeat to every rank (the raw transport latency), in seconds."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import PeerNotVerified, WorkerError
@@ -72,3 +74,13 @@ class Rank:
         """A welcome from ``pid`` restores this lost rank: it was lost by silence only, and the
         same worker process answers (a new process at the endpoint is not the one we knew)."""
         return bool(self.lost) and self.recoverable and pid == self.pid
+
+
+def blocked_save(ranks: Sequence[Rank], fresh_s: float) -> tuple[int, float] | None:
+    """(blocks, seconds) of the save blocked longest on its store over ``ranks``, as their
+    heartbeats of the last ``fresh_s`` seconds tell (``Heartbeat.save_blocked_s``); None when
+    no save is."""
+    since = time.monotonic() - fresh_s
+    reports = [r.save_blocked for r in ranks if r.save_blocked[2] >= since]
+    blocks, seconds, _ = max(reports, key=lambda rep: rep[1], default=(0, 0.0, 0.0))
+    return (blocks, seconds) if blocks > 0 and seconds > 0 else None

@@ -105,6 +105,11 @@ class ControlPlane:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
+    def snapshot(self) -> dict[str, Any]:
+        """What ``stats`` answers and the exporter shows: the worker's stats and the engine's
+        estimates as it last sent them."""
+        return {**self._stats(), "estimates": dict(self.estimates)}
+
     # ---- dispatch ---------------------------------------------------------------------------
 
     def _begin(self, task: Control) -> Answer | Deferred:
@@ -138,7 +143,7 @@ class ControlPlane:
             case ControlMethod.WAKEUP:
                 return self._wakeup()
             case ControlMethod.STATS:
-                return Answer(Code.OK, "stats", self._stats())
+                return Answer(Code.OK, "stats", self.snapshot())
         raise AssertionError(method)
 
     # ---- handlers ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class Worker:
             from kvtier.worker.metrics import start_exporter
 
             self.metrics, self.metrics_port = start_exporter(
-                self.rank, self.stats, self.config.metrics_port
+                self.rank, self.control.snapshot, self.config.metrics_port
             )
 
     def serve(self) -> int:
@@ -218,11 +218,7 @@ class Worker:
                 status = t.Status.CANCELLED if stopping else t.Status.ERROR
                 self._answer(peer, message.task_id, status, refusal.value)
         elif isinstance(message, t.Heartbeat):  # its stamp echoed: a ping finds its answer
-            blocks, blocked_s = self.runner.save_watch.blocked()
-            echo = t.Heartbeat(
-                sent_at=message.sent_at, save_blocked_s=blocked_s, save_blocks=blocks
-            )
-            self.out.send(peer, t.encode(echo))
+            self.out.send(peer, t.encode(self.runner.save_watch.echo(message)))
         elif isinstance(message, t.Control):
             self.control.receive(peer, message)
         elif isinstance(message, t.Shutdown):
@@ -328,7 +324,6 @@ class Worker:
             "namespace": self.config.namespace,
             "fingerprint": self.config.spec.fingerprint,
             "endpoint": self.config.endpoint_address,
-            "estimates": dict(self.control.estimates),
         }
 
     # ---- shutdown ---------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from __future__ import annotations
 import threading
 import time
 
+from kvtier.transport.tasks import Heartbeat
+
 # A save blocked this long on its store shows a slow store: a fast one writes a request's
 # blocks in milliseconds, a busy disk or link in tens of them. (vLLM's side declines saves
 # to a store whose saves take 0.5 s: ``kvtier.vllm.decide.SLOW_SAVE_S``.)
@@ -83,6 +85,12 @@ class SaveWatch:
         (``kvtier.vllm.decide``): a slow store seen before its first save is answered."""
         _, blocks, blocked = self._blocked()
         return (blocks, blocked) if blocked > 0 else (0, 0.0)
+
+    def echo(self, beat: Heartbeat) -> Heartbeat:
+        """A heartbeat's echo to an engine: its stamp, and the running save's blocks and time
+        blocked on its store (``blocked``)."""
+        blocks, blocked_s = self.blocked()
+        return Heartbeat(sent_at=beat.sent_at, save_blocked_s=blocked_s, save_blocks=blocks)
 
     def _blocked(self) -> tuple[int, int, float]:
         with self._lock:
