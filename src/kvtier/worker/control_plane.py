@@ -106,9 +106,10 @@ class ControlPlane:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def snapshot(self) -> dict[str, Any]:
-        """What ``stats`` answers and the exporter shows: the worker's stats and the engine's
-        estimates as it last sent them."""
-        return {**self._stats(), "estimates": dict(self.estimates)}
+        """What ``stats`` answers and the exporter shows: the worker's stats and, once the
+        engine sent them, its estimates."""
+        estimates = self.estimates
+        return {**self._stats(), **({"estimates": dict(estimates)} if estimates else {})}
 
     # ---- dispatch ---------------------------------------------------------------------------
 
