@@ -46,7 +46,7 @@ COUNTERS = {
 # ``vllm:kvtier_estimate_seconds{what="<name>"}`` in Prometheus (per tier: ``what`` is e.g.
 # ``load_s_per_block`` with ``tier="0"``).
 ESTIMATE = "estimate_"
-ESTIMATE_TIER = re.compile(r"tier(\d)_(.+)")
+ESTIMATE_TIER = re.compile(r"tier(\d+)_(.+)")
 
 # Loaded tokens per storage tier (0 = the fastest; one backend is tier 0): ``tier<N>_loaded_tokens``
 # in the stats, ``vllm:kvtier_tier_loaded_tokens{tier="N"}`` in Prometheus.
