@@ -90,7 +90,7 @@ class Cluster:
 
 def start_cluster(root: Path, segment_bytes: int, mac: bool = True) -> Cluster:
     """A master and a storage node; ``mac``: the engines' objects carry kvtier's MAC (one key)."""
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+    from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
 
     if mac:
         auth.write_key(root / "mac.key")

@@ -267,7 +267,7 @@ def _storage_case(args: argparse.Namespace, spec: KVCacheSpec, cache: DeviceCach
 
     from kvtier.layout.keys import KeyScheme
     from kvtier.memory.host import HostLayout
-    from kvtier.storage.file import FileStore
+    from kvtier.storage.file.store import FileStore
     from kvtier.transport import tasks as t
     from kvtier.worker.datapath import DataPath
 

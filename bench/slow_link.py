@@ -24,7 +24,7 @@ SUBNET = 79  # 10.79.0.0/24: apart from the tests' namespaces
 @contextmanager
 def mooncake_behind_link(rate: str, segment_bytes: int) -> Iterator[dict[str, Any]]:
     """The storage mapping of a pure client of such a cluster, while it runs."""
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+    from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
 
     why = namespaces_unavailable()
     if why is not None:

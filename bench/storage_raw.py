@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.storage import file_io, make_backend
+from kvtier.storage import make_backend
+from kvtier.storage.file import io as file_io
 from kvtier_bench.common import gbps, median_seconds
 
 RAW_CHILD_TIMEOUT_S = 600  # a raw get's child: start, put, 15 gets; minutes only when stuck
@@ -105,7 +106,7 @@ class RawMooncake:
 
 def mooncake_store(args, spec, n: int, remote: bool):
     """A MooncakeStore (and the local master / store node started for it, to stop after)."""
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+    from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
 
     segment = 4 * n * (spec.block_bytes + 64) + (64 << 20)
     started: list = []
@@ -138,7 +139,7 @@ def raw_mooncake_gbps(
     started with kvtier's bind guard (its transfer engine listens on loopback only, as the
     engines' do). ``beside``: a context manager entered once the child is set up (started,
     connected, its objects put) and left when its gets are timed — what they run beside."""
-    from kvtier.storage.mooncake_setup import process_environment
+    from kvtier.storage.mooncake.config import process_environment
 
     storage = {k: v for k, v in storage.items() if k != "mac_key_file"}
     env = {**os.environ, **process_environment(storage), "GLOG_minloglevel": "2"}

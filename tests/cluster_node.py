@@ -16,7 +16,7 @@ import os
 import sys
 from types import SimpleNamespace
 
-from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
 
 ROLE_LOG_ENV = "KVTIER_ROLE_LOG"  # a file for the role's Mooncake output (default: an unnamed one)
 

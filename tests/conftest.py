@@ -138,7 +138,7 @@ def paths_below(top: Path) -> list[Path]:
 def require_mooncake() -> None:
     """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=mooncake) without Mooncake."""
     from kvtier.errors import StorageError
-    from kvtier.storage.mooncake_setup import import_mooncake
+    from kvtier.storage.mooncake.config import import_mooncake
 
     try:
         import_mooncake()

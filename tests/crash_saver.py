@@ -43,7 +43,7 @@ def writer(root: str, iteration: int, ready_fd: int) -> None:
     import torch
 
     from kvtier.memory.host import HostPool
-    from kvtier.storage.file import FileStore
+    from kvtier.storage.file.store import FileStore
 
     with (
         HostPool(SPEC, BLOCKS_PER_SAVE, pin=False) as pool,
@@ -80,7 +80,7 @@ def run_iterations(root, iterations: int, seed: int, timeout_s: float) -> list[d
 def main() -> int:
     root, iterations, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
-    from kvtier.storage.file import FileStore
+    from kvtier.storage.file.store import FileStore
 
     for it in range(iterations):
         ready_r, ready_w = os.pipe()

@@ -187,7 +187,7 @@ def stored_hashes(root: str) -> set:
     """vLLM's form of the block hashes of the objects in the store (as its events carry them)."""
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-    from kvtier.storage.file_admin import scan
+    from kvtier.storage.file.admin import scan
 
     found = set()
     for o in scan(root):
@@ -299,7 +299,7 @@ def scenario_tp(args: dict) -> None:
 
 
 def scenario_storage_down(args: dict) -> None:
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+    from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
 
     with LocalMaster() as master, LocalStoreNode(master, 256 << 20):
         args = {

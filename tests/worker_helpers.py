@@ -13,7 +13,7 @@ from kvtier.engine.client import Client
 from kvtier.layout.keys import block_hashes
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory.device import DeviceCache, cache_name
-from kvtier.storage.memory import MemoryStore
+from kvtier.storage.memory.store import MemoryStore
 
 WSPEC = KVCacheSpec(
     num_layers=2, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=64, dtype="block_wise_fp8"

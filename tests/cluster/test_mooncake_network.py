@@ -42,7 +42,7 @@ def _only_on(host: str, addresses: set[str]) -> bool:
 
 
 def test_on_one_machine_everything_listens_on_loopback_only(tmp_path) -> None:
-    from kvtier.storage.mooncake_local import LocalMaster, LocalStoreNode
+    from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
 
     with LocalMaster() as master, LocalStoreNode(master, 64 << 20) as node:
         storage = master.config(global_segment_size=0, local_buffer_size=16 << 20)

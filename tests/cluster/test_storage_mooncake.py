@@ -25,8 +25,8 @@ def _mooncake_present():
 
 
 from kvtier.storage import make_backend  # noqa: E402
-from kvtier.storage.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402
-from kvtier.storage.mooncake_local import LocalMaster  # noqa: E402
+from kvtier.storage.mooncake.store import MooncakeConfig, MooncakeStore  # noqa: E402
+from kvtier.storage.mooncake.local import LocalMaster  # noqa: E402
 
 SMALL = {"global_segment_size": 128 << 20, "local_buffer_size": 32 << 20}
 
@@ -224,14 +224,14 @@ def test_a_missing_libibverbs_is_named_with_its_package(tmp_path) -> None:
     (broken / "libibverbs.so.1").write_bytes(b"not a library")
     env = {**os.environ, "LD_LIBRARY_PATH": str(broken)}
     backend = _run_python(
-        "from kvtier.storage.mooncake_setup import import_mooncake\n"
+        "from kvtier.storage.mooncake.config import import_mooncake\n"
         "from kvtier.errors import StorageError\n"
         "try:\n    import_mooncake()\nexcept StorageError as e:\n    print(e)\n",
         env,
     )
     assert "libibverbs" in backend.stdout and "apt-get install -y libibverbs1" in backend.stdout
     master = _run_python(
-        "from kvtier.storage.mooncake_local import LocalMaster\n"
+        "from kvtier.storage.mooncake.local import LocalMaster\n"
         "from kvtier.errors import StorageError\n"
         "try:\n    LocalMaster().start(timeout_s=20)\nexcept StorageError as e:\n    print(e)\n",
         env,
@@ -246,7 +246,7 @@ def test_mooncake_master_is_found_next_to_python_without_path() -> None:
     if not beside.is_file():
         pytest.skip(f"mooncake_master is not installed beside {sys.executable}")
     out = _run_python(
-        "from kvtier.storage.mooncake_local import LocalMaster, find_master_binary\n"
+        "from kvtier.storage.mooncake.local import LocalMaster, find_master_binary\n"
         "print(find_master_binary())\n"
         "with LocalMaster() as m:\n    print('started', m.master_address)\n",
         {**os.environ, "PATH": "/nonexistent"},

@@ -166,7 +166,7 @@ def test_a_partial_load_never_leaves_failed_bytes_in_device_blocks(gpu_engine) -
     h = _hashes(3, spec.block_size, seed=1)
     assert client.save(h, [1, 2, 3]).blocks == [1, 2, 3]
     from kvtier.layout.keys import KeyScheme
-    from kvtier.storage.file import FileStore
+    from kvtier.storage.file.store import FileStore
 
     key = KeyScheme("default", spec.fingerprint, 0).key(h[1])
     with FileStore(spec, {"root": root}) as store:

@@ -210,7 +210,7 @@ def test_tensor_parallel_2_in_vllms_multiprocess_mode(reference, model, tmp_path
     assert phases["hits"]["tokens"] == ref and external_hits(phases["hits"]) > 0
     # Per-rank objects: two ranks never share a key. Had they, the second rank would find the
     # first one's object stored and skip it: nothing is skipped, and each rank wrote its half.
-    from kvtier.storage.file_admin import scan
+    from kvtier.storage.file.admin import scan
 
     files = list((tmp_path / "store" / "objects").rglob("*.kvb"))
     assert len(files) == phases["first_saves"]["written"]  # both ranks' objects

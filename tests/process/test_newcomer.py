@@ -116,7 +116,7 @@ def test_store_stats_json_gives_numbers_not_words(tmp_path) -> None:
         "import sys, torch\n"
         "from kvtier import HostPool\n"
         "from kvtier.layout.keys import KeyScheme\n"
-        "from kvtier.storage.file import FileStore\n"
+        "from kvtier.storage.file.store import FileStore\n"
         "from worker_helpers import WSPEC, hashes\n"
         "keys = KeyScheme('model', WSPEC.fingerprint, 0).keys(hashes(3))\n"
         "with FileStore(WSPEC, {'root': sys.argv[1]}) as store, HostPool(WSPEC, 3) as pool:\n"

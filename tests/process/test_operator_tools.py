@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.host import HostPool
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 from kvtier.testing.contract import CONTRACT_SPEC
 from kvtier.transport import tasks as t
 from worker_helpers import FAST, engine, hashes, lone_worker_flags

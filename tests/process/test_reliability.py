@@ -30,7 +30,7 @@ from crash_saver import run_iterations
 from kvtier.engine.client import Client
 from kvtier.errors import TaskTimeout, WorkerLost
 from kvtier.layout.keys import KeyScheme, block_hashes
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 from kvtier.transport import tasks as t
 from worker_helpers import FAST, WSPEC, block, engine, same
 
@@ -276,7 +276,7 @@ def test_storage_outage_then_recovery(tmp_path, figures, via) -> None:
         master = None
     else:
         require_mooncake()
-        from kvtier.storage.mooncake_local import LocalMaster
+        from kvtier.storage.mooncake.local import LocalMaster
 
         master = LocalMaster().start()
         storage = master.config(global_segment_size=64 << 20, local_buffer_size=16 << 20)
@@ -313,7 +313,7 @@ def test_a_task_whose_client_gave_up_never_touches_its_blocks(tmp_path, figures)
     blocks as they were — nothing is written after the client gave up. (Mooncake: a load goes
     through staging, where the transfer ends before the copy into the blocks.)"""
     require_mooncake()
-    from kvtier.storage.mooncake_local import LocalMaster
+    from kvtier.storage.mooncake.local import LocalMaster
 
     master = LocalMaster().start()
     storage = master.config(global_segment_size=64 << 20, local_buffer_size=16 << 20)

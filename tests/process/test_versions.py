@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvtier.layout.keys import KeyScheme, block_hashes
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 from kvtier.transport import tasks as t
 from worker_helpers import WSPEC, engine
 

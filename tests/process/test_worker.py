@@ -16,7 +16,7 @@ import zmq
 
 from kvtier.errors import TaskTimeout, WorkerLost
 from kvtier.layout.keys import KeyScheme
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 from kvtier.transport import tasks as t
 from kvtier.worker.config import default_socket_dir
 from worker_helpers import (

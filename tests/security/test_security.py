@@ -24,8 +24,8 @@ from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostPool
 from kvtier.memory.shm import SHM_DIR
-from kvtier.storage.file import FileStore
-from kvtier.storage.mooncake_local import _log_file
+from kvtier.storage.file.store import FileStore
+from kvtier.storage.mooncake.local import _log_file
 from kvtier.transport.endpoint import EndpointClaim
 from kvtier.worker.config import WorkerConfig, default_socket_dir
 

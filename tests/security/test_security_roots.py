@@ -23,7 +23,7 @@ from conftest import SPECS
 from kvtier.errors import ConfigError
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.host import HostPool
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 
 SPEC = SPECS["bf16"]
 ATTACKER = 12345

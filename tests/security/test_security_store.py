@@ -22,7 +22,7 @@ import pytest
 from conftest import SPECS
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.host import HostPool
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 
 SPEC = SPECS["bf16"]
 NOBODY = 65534

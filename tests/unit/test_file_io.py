@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from kvtier.storage import file_io
+from kvtier.storage.file import io as file_io
 
 NATIVE = pytest.param(
     (file_io._fileio.read_object, file_io._fileio.write_object) if file_io._fileio else None,

@@ -25,8 +25,8 @@ from kvtier.memory.device import DeviceCache, cache_name
 from kvtier.memory.host import HostLayout, HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.format import HEADER_BYTES
-from kvtier.storage.memory import MemoryStore
-from kvtier.storage.tiers import TieredStore
+from kvtier.storage.memory.store import MemoryStore
+from kvtier.storage.chain.store import TieredStore
 from kvtier.testing.contract import MAC_KEY
 from kvtier.transport import tasks as t
 from kvtier.transport.local import LocalClient

@@ -13,7 +13,7 @@ import pytest
 from conftest import fill_random, require_vllm
 from kvtier.engine.client import Client
 from kvtier.layout.keys import KeyScheme
-from kvtier.storage.file import FileStore
+from kvtier.storage.file.store import FileStore
 from kvtier.transport import tasks as t
 from worker_helpers import WSPEC, hashes, local_worker
 

@@ -21,10 +21,10 @@ from kvtier.storage import (
 )
 from kvtier.storage import config as storage_config
 from kvtier.storage.config import FaultConfig, MemoryConfig
-from kvtier.storage.file_config import FileStoreConfig
-from kvtier.storage.memory import MemoryStore
-from kvtier.storage.mooncake_setup import MooncakeConfig
-from kvtier.storage.tiers import TieredStore
+from kvtier.storage.file.config import FileStoreConfig
+from kvtier.storage.memory.store import MemoryStore
+from kvtier.storage.mooncake.config import MooncakeConfig
+from kvtier.storage.chain.store import TieredStore
 from kvtier.testing.contract import CONTRACT_SPEC, expected_block, make_keys
 from kvtier.worker.config import WorkerConfig
 

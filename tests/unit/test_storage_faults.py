@@ -9,7 +9,7 @@ import pytest
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
-from kvtier.storage.faults import FaultInjectingStore
+from kvtier.storage.wrappers.faults import FaultInjectingStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 

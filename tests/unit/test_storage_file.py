@@ -15,9 +15,10 @@ import torch
 from crash_saver import run_iterations
 from kvtier.errors import ConfigError
 from kvtier.memory.host import HostPool
-from kvtier.storage import file_io, make_backend
-from kvtier.storage.file import FileStore
-from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy
+from kvtier.storage import make_backend
+from kvtier.storage.file import io as file_io
+from kvtier.storage.file.store import FileStore
+from kvtier.storage.file.config import FileStoreConfig, FsyncPolicy
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
@@ -195,7 +196,7 @@ def test_sigkill_during_large_saves_never_leaves_a_visible_partial_object(tmp_pa
 
 def test_the_default_store_has_a_capacity(monkeypatch, tmp_path) -> None:
     """The store nobody configured (vLLM's connector without `storage`) had no size limit."""
-    from kvtier.storage.file_config import DEFAULT_STORE_CAPACITY_BYTES, FileStoreConfig
+    from kvtier.storage.file.config import DEFAULT_STORE_CAPACITY_BYTES, FileStoreConfig
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     default = FileStoreConfig.from_dict({})

@@ -19,7 +19,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.ops.cli_args import DefaultsFormatter, byte_size, duration
 from kvtier.ops.table import age, print_table, printable, size
-from kvtier.storage.mooncake_setup import remove_matching
+from kvtier.storage.mooncake.config import remove_matching
 from kvtier.transport.auth import read_key
 
 
@@ -95,7 +95,7 @@ STATS_COLUMNS = [
 
 
 def _scan(root: str) -> list:
-    from kvtier.storage.file_admin import scan
+    from kvtier.storage.file.admin import scan
 
     return list(scan(root))
 
@@ -168,7 +168,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from kvtier.storage.file_admin import remove, verify_all
+    from kvtier.storage.file.admin import remove, verify_all
 
     mac_key = None
     if args.mac_key_file:
@@ -246,7 +246,7 @@ def _gc(args: argparse.Namespace) -> int:
         return _gc_mooncake(args)
     if not args.root:
         raise ConfigError("root", "give a file store directory, or --mooncake-master HOST:PORT")
-    from kvtier.storage.file_admin import Selection, remove, select
+    from kvtier.storage.file.admin import Selection, remove, select
 
     older, capacity = args.older_than, args.capacity  # parsed by the options' types
     selection = Selection(

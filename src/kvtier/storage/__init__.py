@@ -87,7 +87,7 @@ def make_backend(
     mac_key = read_mac_key(parsed.mac_key_file)
     if isinstance(parsed, BackendConfig):
         return _open(parsed, spec, mac_key)
-    from kvtier.storage.tiers import TieredStore
+    from kvtier.storage.chain.store import TieredStore
 
     built: list[StorageBackend] = []
     try:
@@ -109,7 +109,7 @@ def make_backend(
 def _open(config: BackendConfig, spec: KVCacheSpec, mac_key: bytes | None) -> StorageBackend:
     backend = config.open(spec, mac_key)
     if config.faults is not None:
-        from kvtier.storage.faults import FaultInjectingStore
+        from kvtier.storage.wrappers.faults import FaultInjectingStore
 
         backend = FaultInjectingStore(backend, config.faults)
     return backend

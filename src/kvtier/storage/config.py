@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.errors import ConfigError
-from kvtier.storage.file_config import FileStoreConfig
-from kvtier.storage.mooncake_setup import MooncakeConfig
+from kvtier.storage.file.config import FileStoreConfig
+from kvtier.storage.mooncake.config import MooncakeConfig
 
 if TYPE_CHECKING:
     from kvtier.layout.spec import KVCacheSpec
@@ -245,23 +245,23 @@ def mooncake_config(config: StorageConfig) -> MooncakeConfig | None:
 
 
 def _build_file(spec: KVCacheSpec, options: FileStoreConfig, mac_key: bytes | None):
-    from kvtier.storage.file import FileStore
+    from kvtier.storage.file.store import FileStore
 
     return FileStore(spec, options, mac_key=mac_key)
 
 
 def _build_mooncake(spec: KVCacheSpec, options: MooncakeConfig, mac_key: bytes | None):
-    from kvtier.storage.mooncake import MooncakeStore
+    from kvtier.storage.mooncake.store import MooncakeStore
 
     return MooncakeStore(spec, options, mac_key=mac_key)
 
 
 def _build_memory(spec: KVCacheSpec, options: MemoryConfig, mac_key: bytes | None):
     if options.capacity_bytes is None:
-        from kvtier.storage.memory import MemoryStore
+        from kvtier.storage.memory.store import MemoryStore
 
         return MemoryStore(spec, mac_key=mac_key)
-    from kvtier.storage.arena import ArenaStore  # a preallocated slab
+    from kvtier.storage.memory.arena import ArenaStore  # a preallocated slab
 
     return ArenaStore(spec, options.capacity_bytes, mac_key=mac_key)
 

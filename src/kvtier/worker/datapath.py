@@ -38,7 +38,7 @@ from kvtier.memory.copier import BlockCopier, make_copier
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostLayout, HostPool, copy_block
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.file_io import zero
+from kvtier.storage.file.io import zero
 from kvtier.transport.tasks import (
     DataTask,
     Load,

@@ -30,7 +30,7 @@ import msgspec
 from kvtier.common.cpus import run_on
 from kvtier.memory import shm
 from kvtier.storage import describe_backend
-from kvtier.storage.tiers import TieredStore
+from kvtier.storage.chain.store import TieredStore
 from kvtier.transport import tasks as t
 from kvtier.transport.auth import CurveKeys
 from kvtier.transport.base import Peer

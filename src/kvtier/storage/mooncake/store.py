@@ -28,7 +28,7 @@ from kvtier.errors import ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import HEADER_BYTES
-from kvtier.storage.mooncake_setup import (
+from kvtier.storage.mooncake.config import (
     Bounded,
     MooncakeConfig,
     import_mooncake,
@@ -367,7 +367,7 @@ def _warn_if_unguarded(host: str) -> None:
             "this process was started without kvtier's bind guard: Mooncake's transfer engine "
             "will listen on every interface, not only %s (run workers with `kvtier serve` or "
             "Client.launch, or start this process with the environment of "
-            "kvtier.storage.mooncake_setup.process_environment)",
+            "kvtier.storage.mooncake.config.process_environment)",
             host,
         )
 

@@ -52,11 +52,11 @@ import torch
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.file_config import FileStoreConfig
-from kvtier.storage.file_dirs import FANOUT_DIRS, StoreDirs, fanout_name, object_name
-from kvtier.storage.file_index import LruIndex
-from kvtier.storage.file_io import CallersPriorityPool, OnceLog, striped, warn_if_open, zero
-from kvtier.storage.file_objects import MAX_KEY_BYTES, ObjectFiles
+from kvtier.storage.file.config import FileStoreConfig
+from kvtier.storage.file.dirs import FANOUT_DIRS, StoreDirs, fanout_name, object_name
+from kvtier.storage.file.index import LruIndex
+from kvtier.storage.file.io import CallersPriorityPool, OnceLog, striped, warn_if_open, zero
+from kvtier.storage.file.objects import MAX_KEY_BYTES, ObjectFiles
 from kvtier.storage.format import HEADER_BYTES
 
 log = logging.getLogger(__name__)

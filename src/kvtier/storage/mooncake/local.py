@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 from kvtier.common import bindguard
 from kvtier.errors import StorageError, StorageUnavailable
-from kvtier.storage.mooncake_setup import BIND_ADDRESS_ENV, probe
+from kvtier.storage.mooncake.config import BIND_ADDRESS_ENV, probe
 
 _PR_SET_PDEATHSIG = 1
 LIBIBVERBS_HINT = "libibverbs.so.1 is missing: apt-get install -y libibverbs1"
@@ -205,7 +205,7 @@ class LocalStoreNode:
                 [
                     sys.executable,
                     "-m",
-                    "kvtier.storage.mooncake_local",
+                    "kvtier.storage.mooncake.local",
                     self.master.master_address,
                     self.master.metadata_server,
                     str(self.segment_bytes),

@@ -8,7 +8,7 @@ exactly as they use one backend.
   stored with, so a payload that is bad is still caught by the caller's check (and then
   removed from every tier). Promotion makes a hot prefix a memory hit from its second load.
 - **Saves** go into the top tier; the lower tiers get them from one writer thread
-  (``kvtier.storage.tier_writer``): ``write: through`` at once, ``write: back`` when the top
+  (``kvtier.storage.chain.writer``): ``write: through`` at once, ``write: back`` when the top
   tier evicts them or at a clean stop. Nothing dirty is dropped on eviction; ``close`` waits
   up to ``flush_timeout_s`` for what is still to be written.
 - **A tier that is down** (``StorageUnavailable``) is skipped for a second at a time and costs
@@ -30,7 +30,7 @@ from kvtier.errors import StorageError, StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
 from kvtier.storage.config import WRITE_MODES
 from kvtier.storage.format import ObjectFormat
-from kvtier.storage.tier_writer import LowerWriter, TierHealth
+from kvtier.storage.chain.writer import LowerWriter, TierHealth
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.keys import KeyParts, KeyScheme
-from kvtier.storage.file_dirs import TMP_NAME
+from kvtier.storage.file.dirs import TMP_NAME
 from kvtier.storage.format import (
     HEADER_BYTES,
     MAC_BYTES,

@@ -25,7 +25,7 @@ import numpy as np
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory.scatter import copy_scattered
-from kvtier.storage.arena_memory import ArenaMemory
+from kvtier.storage.memory.arena_memory import ArenaMemory
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import Header, ObjectFormat
 

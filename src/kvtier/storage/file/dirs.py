@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvtier.common.user_dirs import open_user_directory
 from kvtier.errors import ConfigError, StorageError
-from kvtier.storage.file_io import alive
+from kvtier.storage.file.io import alive
 
 log = logging.getLogger("kvtier.storage.file")
 

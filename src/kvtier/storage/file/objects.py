@@ -8,7 +8,7 @@ descriptor (``file_dirs``), never through a link, and written whole or not at al
 - ``remove``: unlinked through the directory descriptor.
 
 What an object holds (header, payload, key trailer) and whether it is sound is the store's
-(``kvtier.storage.file``); failures to reach a file are said once per kind (``OnceLog``).
+(``kvtier.storage.file.store``); failures to reach a file are said once per kind (``OnceLog``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import os
 import stat
 
 from kvtier.errors import StorageError
-from kvtier.storage.file_config import FileStoreConfig, FsyncPolicy
-from kvtier.storage.file_dirs import StoreDirs, object_name, tmp_name
-from kvtier.storage.file_io import (
+from kvtier.storage.file.config import FileStoreConfig, FsyncPolicy
+from kvtier.storage.file.dirs import StoreDirs, object_name, tmp_name
+from kvtier.storage.file.io import (
     OPEN_FLAGS,
     OnceLog,
     ReadResult,

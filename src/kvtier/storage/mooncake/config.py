@@ -109,7 +109,7 @@ def probe_setup(config: MooncakeConfig) -> None:
     args = [
         sys.executable,
         "-m",
-        "kvtier.storage.mooncake_local",
+        "kvtier.storage.mooncake.local",
         "probe",
         config.master_address,
         config.metadata_server,
@@ -204,7 +204,7 @@ def remove_matching(config: Mapping[str, Any] | MooncakeConfig, pattern: str) ->
     if not isinstance(config, MooncakeConfig):
         config = MooncakeConfig.from_dict(config)
     probe(config.master_address, config.connect_timeout_s)
-    args = [sys.executable, "-m", "kvtier.storage.mooncake_local", "remove"]
+    args = [sys.executable, "-m", "kvtier.storage.mooncake.local", "remove"]
     args += [config.master_address, config.metadata_server, config.local_hostname, pattern]
     try:
         out = subprocess.run(

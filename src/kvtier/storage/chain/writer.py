@@ -1,6 +1,6 @@
 """The lower tiers of a tier chain: which are up, and the one thread that writes objects down.
 
-A chain (``kvtier.storage.tiers``) saves into its top tier. An object there that the lower
+A chain (``kvtier.storage.chain.store``) saves into its top tier. An object there that the lower
 tiers do not hold yet is *dirty*. ``LowerWriter`` writes dirty objects down, from one thread:
 
 - ``write: through`` queues each saved key at once; ``write: back`` only when the top tier
