@@ -25,8 +25,8 @@ def _mooncake_present():
 
 
 from kvtier.storage import make_backend  # noqa: E402
-from kvtier.storage.mooncake.store import MooncakeConfig, MooncakeStore  # noqa: E402
 from kvtier.storage.mooncake.local import LocalMaster  # noqa: E402
+from kvtier.storage.mooncake.store import MooncakeConfig, MooncakeStore  # noqa: E402
 
 SMALL = {"global_segment_size": 128 << 20, "local_buffer_size": 32 << 20}
 

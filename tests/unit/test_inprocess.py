@@ -24,9 +24,9 @@ from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.device import DeviceCache, cache_name
 from kvtier.memory.host import HostLayout, HostPool
 from kvtier.storage import make_backend
+from kvtier.storage.chain.store import TieredStore
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.memory.store import MemoryStore
-from kvtier.storage.chain.store import TieredStore
 from kvtier.testing.contract import MAC_KEY
 from kvtier.transport import tasks as t
 from kvtier.transport.local import LocalClient

@@ -20,11 +20,11 @@ from kvtier.storage import (
     register_backend,
 )
 from kvtier.storage import config as storage_config
+from kvtier.storage.chain.store import TieredStore
 from kvtier.storage.config import FaultConfig, MemoryConfig
 from kvtier.storage.file.config import FileStoreConfig
 from kvtier.storage.memory.store import MemoryStore
 from kvtier.storage.mooncake.config import MooncakeConfig
-from kvtier.storage.chain.store import TieredStore
 from kvtier.testing.contract import CONTRACT_SPEC, expected_block, make_keys
 from kvtier.worker.config import WorkerConfig
 
@@ -110,7 +110,7 @@ def test_a_registered_backend_is_valid_wherever_a_storage_is(tmp_path, kinds) ->
     with pytest.raises(ConfigError) as error:
         parse_storage({"tiers": [{"backend": "memory"}, {"backend": "mine", "label": 5}]})
     assert error.value.field == "storage.tiers[1].label"
-    with pytest.raises(ConfigError, match="allowed: file, mooncake, memory, mine"):
+    with pytest.raises(ConfigError, match="allowed: file, mooncake, memory, s3, mine"):
         parse_storage({"backend": "yours"})
 
     chain = {"tiers": [{"backend": "memory"}, {"backend": "mine", "label": "x"}]}

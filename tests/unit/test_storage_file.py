@@ -17,8 +17,8 @@ from kvtier.errors import ConfigError
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
 from kvtier.storage.file import io as file_io
-from kvtier.storage.file.store import FileStore
 from kvtier.storage.file.config import FileStoreConfig, FsyncPolicy
+from kvtier.storage.file.store import FileStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 
 TESTS = Path(__file__).resolve().parents[1]  # the helpers live at the top of tests/
@@ -175,7 +175,8 @@ def test_config_errors_name_the_field(tmp_path) -> None:
         FileStoreConfig.from_dict({"io_threads": 0})
     with pytest.raises(ConfigError, match="storage.rooot: unknown option"):
         FileStoreConfig.from_dict({"rooot": "/x"})
-    with pytest.raises(ConfigError, match="storage.backend: got 'redis'; allowed: file, mooncake"):
+    allowed = "allowed: file, mooncake, memory, s3"
+    with pytest.raises(ConfigError, match=f"storage.backend: got 'redis'; {allowed}"):
         make_backend(CONTRACT_SPEC, {"backend": "redis"})
 
 

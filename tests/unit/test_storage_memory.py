@@ -12,8 +12,8 @@ from kvtier import KVCacheSpec
 from kvtier.layout.checksum import payload_checksum
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend
-from kvtier.storage.memory.arena import ArenaStore
 from kvtier.storage.format import ObjectFormat
+from kvtier.storage.memory.arena import ArenaStore
 from kvtier.storage.memory.store import MemoryStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 from kvtier.testing.contract_base import reseal

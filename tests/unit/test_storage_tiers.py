@@ -11,8 +11,8 @@ from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend, parse_storage
 from kvtier.storage.chain import writer as tier_writer
-from kvtier.storage.memory.store import MemoryStore
 from kvtier.storage.chain.store import TieredStore
+from kvtier.storage.memory.store import MemoryStore
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
 from worker_helpers import HostBlocksOnlyStore
 

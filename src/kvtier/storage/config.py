@@ -6,25 +6,32 @@ What a user writes (worker YAML and flags, the connector's ``kv_connector_extra_
 once, raising a ConfigError that names the field (``storage.tiers[1].root``); everything after
 that — validation at the edge, building the backends in the worker, describing them in status
 and logs — reads the typed values. Each backend kind is one entry of a registry (its option
-parser and its builder), so a new kind is one ``register_backend`` call, not an edit in every
-place that reads the config. Nothing here imports torch: ``kvtier --help`` and ``kvtier store``
-parse configs without loading a backend.
+parser and its builder), so a new kind is one entry, not an edit in every place that reads the
+config. A kind is a module path: the module defines ``parse_options(mapping)`` (the typed
+options; ConfigError naming ``storage.<field>``) and ``open_backend(spec, options, mac_key)``.
+The built-in kinds are the packages ``kvtier.storage.file``, ``.memory``, ``.mooncake`` and
+``.s3``; a backend outside kvtier is named in the configuration itself, ``{"backend": "mine",
+"module": "my_package.kvtier_backend", ...}`` (imported when the config is parsed: the config
+is the engine user's, as trusted as the code it runs), or registered by code with
+``register_backend``. Only the kinds a config names are imported. Nothing here imports torch:
+``kvtier --help`` and ``kvtier store`` parse configs without loading a backend.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.errors import ConfigError
-from kvtier.storage.file.config import FileStoreConfig
-from kvtier.storage.mooncake.config import MooncakeConfig
 
 if TYPE_CHECKING:
     from kvtier.layout.spec import KVCacheSpec
     from kvtier.storage.base import StorageBackend
+    from kvtier.storage.mooncake.config import MooncakeConfig
 
 MAC_KEY_FILE = "mac_key_file"
 CHAIN_OPTIONS = ("tiers", "write", "pending_bytes", "flush_timeout_s", MAC_KEY_FILE)
@@ -106,7 +113,16 @@ class BackendKind:
     build: Callable[[KVCacheSpec, Any, bytes | None], StorageBackend]
 
 
+# The built-in kinds by module, imported when a config first names them.
+BUILT_IN = {
+    "file": "kvtier.storage.file",
+    "mooncake": "kvtier.storage.mooncake",
+    "memory": "kvtier.storage.memory",
+    "s3": "kvtier.storage.s3",
+}
+_MODULES: dict[str, str] = dict(BUILT_IN)
 _KINDS: dict[str, BackendKind] = {}
+_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def register_backend(
@@ -115,13 +131,52 @@ def register_backend(
     build: Callable[[KVCacheSpec, Any, bytes | None], StorageBackend],
 ) -> None:
     """Make ``{"backend": name, ...}`` a valid storage (or tier) config everywhere."""
-    if name in _KINDS or name == "tiers":
+    if name in _KINDS or name in _MODULES or name == "tiers":
         raise ValueError(f"a storage backend named {name!r} is already registered")
     _KINDS[name] = BackendKind(name, parse, build)
 
 
 def backend_names() -> tuple[str, ...]:
-    return tuple(_KINDS)
+    return tuple(dict.fromkeys([*_MODULES, *_KINDS]))
+
+
+def _kind(name: str, module: str | None = None) -> BackendKind:
+    """The kind ``name``, its module imported on first use (``module``: named by the config)."""
+    if module is not None:
+        if not isinstance(module, str) or not _MODULE_PATH.fullmatch(module):
+            raise ConfigError("storage.module", f"must be a module path (a.b.c), got {module!r}")
+        known = _MODULES.get(name)
+        if known is not None and known != module:
+            raise ConfigError("storage.module", f"{name!r} is {known}, not {module}")
+        if name in _KINDS and known is None:
+            raise ConfigError("storage.module", f"{name!r} is registered by code already")
+        _MODULES[name] = module
+    if name in _KINDS:
+        return _KINDS[name]
+    if name not in _MODULES:
+        raise ConfigError(
+            "storage.backend",
+            f"got {name!r}; allowed: {', '.join(backend_names())} (or name the module that "
+            "implements it: storage.module)",
+        )
+    path = _MODULES[name]
+    try:
+        loaded = importlib.import_module(path)
+    except ImportError as e:
+        if module is not None:
+            _MODULES.pop(name, None)
+        raise ConfigError(
+            "storage.module", f"cannot import {path} for backend {name!r}: {e}"
+        ) from None
+    parse, build = getattr(loaded, "parse_options", None), getattr(loaded, "open_backend", None)
+    if not callable(parse) or not callable(build):
+        if module is not None:
+            _MODULES.pop(name, None)
+        raise ConfigError(
+            "storage.module", f"{path} must define parse_options(mapping) and open_backend(...)"
+        )
+    _KINDS[name] = BackendKind(name, parse, build)
+    return _KINDS[name]
 
 
 @dataclass(frozen=True)
@@ -132,6 +187,7 @@ class BackendConfig:
     options: Any  # the kind's typed options (FileStoreConfig, MooncakeConfig, MemoryConfig, ...)
     faults: FaultConfig | None = None
     mac_key_file: str | None = None
+    module: str | None = None  # where an out-of-tree kind lives (``storage.module``)
 
     @property
     def backends(self) -> tuple[BackendConfig, ...]:
@@ -139,7 +195,7 @@ class BackendConfig:
 
     def open(self, spec: KVCacheSpec, mac_key: bytes | None) -> StorageBackend:
         """The backend of this kind, unwrapped (``make_backend`` adds the faults)."""
-        return _KINDS[self.backend].build(spec, self.options, mac_key)
+        return _kind(self.backend, self.module).build(spec, self.options, mac_key)
 
 
 @dataclass(frozen=True)
@@ -179,13 +235,14 @@ def _parse_backend(config: Mapping[str, Any]) -> BackendConfig:
     kind = options.get("backend", "file")
     faults = options.pop("faults", None)
     mac_key_file = options.pop(MAC_KEY_FILE, None)
+    module = options.pop("module", None)
     if mac_key_file is not None and not isinstance(mac_key_file, str):
         raise ConfigError(f"storage.{MAC_KEY_FILE}", f"must be a path, got {mac_key_file!r}")
-    if kind not in _KINDS:
-        raise ConfigError("storage.backend", f"got {kind!r}; allowed: {', '.join(_KINDS)}")
-    typed = _KINDS[kind].parse(options)
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError("storage.backend", f"must name a backend, got {kind!r}")
+    typed = _kind(kind, module).parse(options)
     fault_config = FaultConfig.from_dict(faults) if faults else None
-    return BackendConfig(kind, typed, fault_config, mac_key_file)
+    return BackendConfig(kind, typed, fault_config, mac_key_file, module)
 
 
 def _parse_chain(config: Mapping[str, Any]) -> ChainConfig:
@@ -236,36 +293,6 @@ def describe(config: StorageConfig) -> str:
 def mooncake_config(config: StorageConfig) -> MooncakeConfig | None:
     """The Mooncake backend's options in ``config`` (one of its tiers), or None."""
     for backend in config.backends:
-        if isinstance(backend.options, MooncakeConfig):
+        if backend.backend == "mooncake":
             return backend.options
     return None
-
-
-# ---- the built-in kinds ----------------------------------------------------------------------
-
-
-def _build_file(spec: KVCacheSpec, options: FileStoreConfig, mac_key: bytes | None):
-    from kvtier.storage.file.store import FileStore
-
-    return FileStore(spec, options, mac_key=mac_key)
-
-
-def _build_mooncake(spec: KVCacheSpec, options: MooncakeConfig, mac_key: bytes | None):
-    from kvtier.storage.mooncake.store import MooncakeStore
-
-    return MooncakeStore(spec, options, mac_key=mac_key)
-
-
-def _build_memory(spec: KVCacheSpec, options: MemoryConfig, mac_key: bytes | None):
-    if options.capacity_bytes is None:
-        from kvtier.storage.memory.store import MemoryStore
-
-        return MemoryStore(spec, mac_key=mac_key)
-    from kvtier.storage.memory.arena import ArenaStore  # a preallocated slab
-
-    return ArenaStore(spec, options.capacity_bytes, mac_key=mac_key)
-
-
-register_backend("file", FileStoreConfig.from_dict, _build_file)
-register_backend("mooncake", MooncakeConfig.from_dict, _build_mooncake)
-register_backend("memory", MemoryConfig.from_dict, _build_memory)

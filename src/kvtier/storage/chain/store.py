@@ -28,9 +28,9 @@ import numpy as np
 
 from kvtier.errors import StorageError, StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
+from kvtier.storage.chain.writer import LowerWriter, TierHealth
 from kvtier.storage.config import WRITE_MODES
 from kvtier.storage.format import ObjectFormat
-from kvtier.storage.chain.writer import LowerWriter, TierHealth
 
 log = logging.getLogger(__name__)
 

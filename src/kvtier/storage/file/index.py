@@ -29,6 +29,10 @@ class LruIndex:
         with self._lock:
             return self._used, len(self._sizes)
 
+    def contains(self, name: str) -> bool:
+        with self._lock:
+            return name in self._sizes
+
     def add(self, name: str, size: int) -> None:
         with self._lock:
             old = self._sizes.pop(name, None)

@@ -25,9 +25,9 @@ import numpy as np
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory.scatter import copy_scattered
-from kvtier.storage.memory.arena_memory import ArenaMemory
 from kvtier.storage.base import StorageBackend, StorageUsage
 from kvtier.storage.format import Header, ObjectFormat
+from kvtier.storage.memory.arena_memory import ArenaMemory
 
 
 class ArenaStore(StorageBackend):
