@@ -40,7 +40,7 @@ def storage_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
         default="file,mooncake",
-        help="comma-separated: file, mooncake, memory (a memory tier in front of a file store)",
+        help="comma-separated: file, mooncake, memory (a memory tier in front of a file store), s3",
     )
     p.add_argument("--sizes", default="1,8", help="object sizes in MiB: 1 and/or 8")
     p.add_argument(
@@ -59,6 +59,12 @@ def storage_arguments(p: argparse.ArgumentParser) -> None:
         help="host:port of a running master (default: start one on loopback)",
     )
     p.add_argument("--mooncake-metadata", default=None, help="its metadata server URL")
+    p.add_argument(
+        "--s3-endpoint", default=None, help="an S3 server (default: SeaweedFS started on loopback)"
+    )
+    p.add_argument("--s3-bucket", default=None, help="its bucket (default: kvtier-bench)")
+    p.add_argument("--s3-credentials", default=None, help="a 0600 credentials file for it")
+    p.add_argument("--s3-concurrency", type=COUNT, default=16, help="S3 requests in flight")
     p.add_argument(
         "--mac",
         default="off",

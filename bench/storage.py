@@ -15,6 +15,8 @@ cache lays them, verified as it goes (the direct route: vLLM on CPU).
 - mooncake: kvtier's MooncakeStore (header slot + payload, checksums, verification) against raw
   ``batch_put_from`` / ``batch_get_into`` of objects of the same size from the same registered
   pool, through the same client.
+- s3: kvtier's S3Store against obstore's raw put / get of the same objects at the same
+  concurrency (``kvtier_bench.storage_s3``; a SeaweedFS server on loopback unless named).
 - memory: a tier chain's memory tier (``tiers: [memory, file]``, loads served from memory)
   against the fastest plain contiguous copy of the same bytes (``raw_kind``: torch, numpy,
   memmove or non-temporal stores, on one or more threads; ``kvtier bench copy``'s limit).
@@ -29,22 +31,17 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from kvtier import HostPool, KVCacheSpec
-from kvtier.layout.checksum import payload_checksum
-from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.storage import make_backend
 from kvtier.transport import auth
-from kvtier_bench.common import Timing, emit, gbps, log2_axes, progress, save_plot, standalone
+from kvtier_bench.common import Timing, emit, log2_axes, progress, save_plot, standalone
 from kvtier_bench.copy import plain_copies
 from kvtier_bench.options import storage_arguments as add_arguments
 from kvtier_bench.storage_raw import (
@@ -55,6 +52,8 @@ from kvtier_bench.storage_raw import (
     drop_page_cache,
     mooncake_store,
 )
+from kvtier_bench.storage_s3 import bench_s3
+from kvtier_bench.storage_trials import Trial, _interleaved, _keys, _rows, _save_trials
 
 COLUMNS = [
     ("backend", "backend", "s"),
@@ -109,80 +108,13 @@ def _run_sizes(args: argparse.Namespace) -> list[dict]:
                 elif backend == "mooncake":
                     rows += _bench_mooncake(args, spec, pool, n, remote=True)
                     rows += _bench_mooncake(args, spec, pool, n, remote=False)
-                elif backend == "memory":
-                    rows += _bench_memory(args, spec, pool, n)
+                elif backend in ("memory", "s3"):
+                    rows += (_bench_memory if backend == "memory" else bench_s3)(
+                        args, spec, pool, n
+                    )
                 else:
-                    raise SystemExit(f"--backends: {backend!r} is not file, mooncake or memory")
+                    raise SystemExit(f"--backends: {backend!r} is not file, mooncake, memory or s3")
     return rows
-
-
-def _keys(spec: KVCacheSpec, n: int) -> list[str]:
-    scheme = KeyScheme(f"bench-{uuid.uuid4().hex[:8]}", spec.fingerprint)
-    tokens = torch.randint(0, 100_000, (n * spec.block_size,)).numpy()
-    return scheme.keys(block_hashes(tokens, spec.block_size))
-
-
-def _row(backend, op, spec, n, t: Timing, t_raw: Timing, runs) -> dict:
-    nbytes = n * spec.block_bytes
-    return {
-        "backend": backend,
-        "op": op,
-        "object_bytes": spec.block_bytes,
-        "object_mib": spec.block_bytes / 2**20,
-        "num_objects": n,
-        "gbps": gbps(nbytes, t.median),
-        "gbps_range": t.gbps_range(nbytes),
-        "raw_gbps": gbps(nbytes, t_raw.median),
-        "ratio_to_raw": t_raw.median / t.median,
-        "runs": runs,
-    }
-
-
-class Trial(NamedTuple):
-    """One thing to time: ``op(fresh())`` with ``cleanup(inputs)`` after, untimed."""
-
-    fresh: Callable[[], Any]
-    op: Callable[[Any], None]
-    cleanup: Callable[[Any], None] = lambda _: None
-
-
-def _interleaved(trials: dict[str, Trial], runs: int) -> dict[str, Timing]:
-    """Timing of each trial, running the trials in turn each round so that ours and the
-    raw limit see the same machine noise. The first round warms up and is not counted."""
-    times: dict[str, list[float]] = {name: [] for name in trials}
-    for round_ in range(runs + 1):
-        for name, trial in trials.items():
-            inputs = trial.fresh()
-            start = time.perf_counter()
-            trial.op(inputs)
-            elapsed = time.perf_counter() - start
-            trial.cleanup(inputs)
-            if round_:
-                times[name].append(elapsed)
-    return {name: Timing.of(t) for name, t in times.items()}
-
-
-def _rows(backend, spec, n, timings: dict[str, Timing], raw: str, runs: int) -> list[dict]:
-    return [
-        _row(backend, op, spec, n, t, timings[raw], runs) for op, t in timings.items() if op != raw
-    ]
-
-
-def _save_trials(store, spec, blocks) -> dict[str, Trial]:
-    """``save`` (the backend hashes) and ``save_prehashed`` (checksums known from the copy)."""
-    n = len(blocks)
-    known = [payload_checksum(b.numpy()) for b in blocks]
-
-    def fresh():
-        return _keys(spec, n)
-
-    def save(keys, sums=None):
-        assert all(store.put_from(keys, blocks, sums)), "bench storage: a save failed"
-
-    return {
-        "save": Trial(fresh, save, store.delete),
-        "save_prehashed": Trial(fresh, lambda k: save(k, known), store.delete),
-    }
 
 
 # ---- file ------------------------------------------------------------------------------------

@@ -234,7 +234,7 @@ def pytest_xdist_make_scheduler(config, log):
 def require_s3() -> str:
     """SeaweedFS's ``weed`` and obstore, or skip (locally) / fail (CI sets
     KVTIER_TESTS_REQUIRE=s3): the s3 backend's tests run against a real S3 server."""
-    from s3_server import weed_binary
+    from kvtier.storage.s3.local import weed_binary
 
     missing = []
     if weed_binary() is None:
@@ -258,7 +258,7 @@ def s3_server(tmp_path_factory):
     require_s3()
     import tempfile
 
-    from s3_server import S3Server
+    from kvtier.storage.s3.local import LocalS3Server as S3Server
 
     directory = Path(tempfile.mkdtemp(prefix="kvt-s3-"))  # short: its sockets live below
     server = S3Server(directory)

@@ -13,8 +13,8 @@ import torch
 from kvtier.errors import ConfigError, StorageUnavailable
 from kvtier.memory.host import HostPool
 from kvtier.storage import make_backend, parse_storage
+from kvtier.storage.s3.local import ACCESS_KEY, SECRET_KEY
 from kvtier.testing.contract import CONTRACT_SPEC, StoreContract, expected_block, make_keys
-from s3_server import ACCESS_KEY, SECRET_KEY
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 OBJECT_BYTES = 64 + CONTRACT_SPEC.block_bytes
@@ -159,7 +159,7 @@ def test_a_dead_server_is_unavailable_and_hits_resume_when_it_returns(
     credentials, short_tmp_path
 ) -> None:
     from conftest import require_s3
-    from s3_server import S3Server
+    from kvtier.storage.s3.local import LocalS3Server as S3Server
 
     require_s3()
     server = S3Server(short_tmp_path)
@@ -231,7 +231,7 @@ def test_credentials_come_from_the_environment(s3_server, monkeypatch) -> None:
 
 def test_a_chain_over_s3_serves_on_while_s3_is_down(credentials, short_tmp_path, tmp_path) -> None:
     from conftest import require_s3
-    from s3_server import S3Server
+    from kvtier.storage.s3.local import LocalS3Server as S3Server
 
     require_s3()
     server = S3Server(short_tmp_path)

@@ -300,3 +300,51 @@ def test_an_object_that_fails_its_checks_in_the_top_tier_is_not_written_down(
         assert chain.writer.counts.write_failures == 1 and chain.writer.counts.written == 2
         assert top.exists_prefix(keys) == 1 and top.stats.corrupt == 1
         assert top.stats.hits == 0  # the writer's reads are not the engine's hits
+
+
+def _router_view(stored: set[str], removed: list[str]) -> set[str]:
+    """What a router that replays the events holds: stored, minus removed, in order."""
+    return stored - set(removed)
+
+
+def _content(chain, keys) -> set[str]:
+    return {k for k in keys if any(t.holds(k) for t in chain.tiers)}
+
+
+@pytest.mark.parametrize("write", ["through", "back"])
+def test_kv_events_of_a_chain_match_its_content_after_evictions(tmp_path, pool, write):
+    """Every tier evicts (memory 3 objects, file 6): the router's view (stored minus removed)
+    is exactly what the chain holds, in both write modes."""
+    capacity = 6 * OBJECT_BYTES
+    with _chain(tmp_path, write, top_objects=3, capacity_bytes=capacity) as chain:
+        removed: list[str] = []
+        chain.watch_removals(removed.extend)
+        stored: set[str] = set()
+        every: list[str] = []
+        for _ in range(6):
+            keys = make_keys(4)
+            every += keys
+            stored |= {k for k, ok in zip(keys, _put(chain, pool, keys)) if ok}
+            assert chain.writer.flush(30) == 0
+            _get(chain, pool, every[:1])  # a promotion too, while it is held
+        assert chain.writer.flush(30) == 0
+        held = _content(chain, every)
+        assert len(held) >= 3 and len(set(removed)) >= len(every) - 9  # both tiers evicted
+        assert _router_view(stored, removed) == held
+
+
+def test_a_dirty_block_dropped_for_a_lower_tier_down_is_told_as_removed(tmp_path, pool):
+    """Write-back: the memory tier evicts dirty blocks while the file tier is down; the writer
+    cannot write them down, so they leave the chain, and the router hears it."""
+    outage = tmp_path / "outage"
+    faults = {"unavailable_while": str(outage)}
+    with _chain(tmp_path, "back", top_objects=2, faults=faults) as chain:
+        removed: list[str] = []
+        chain.watch_removals(removed.extend)
+        outage.touch()
+        keys = make_keys(5)
+        stored = {k for k, ok in zip(keys, _put(chain, pool, keys)) if ok}
+        chain.writer.flush(30)
+        _wait_for(lambda: len(removed) >= 3)
+        assert _router_view(stored, removed) == _content(chain, keys)
+        assert set(removed) == set(keys[:3])  # the three evicted, held nowhere

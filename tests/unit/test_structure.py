@@ -264,3 +264,20 @@ def test_the_docs_name_only_what_exists() -> None:
         if dotted.rsplit(".", 1)[-1] not in sources:
             missing.append(dotted)
     assert missing == []
+
+
+STORAGE_FACES = {"kvtier.storage", "kvtier.storage.base", "kvtier.storage.config"}
+
+
+def test_outside_storage_only_its_faces_are_imported() -> None:
+    """Code outside ``kvtier.storage`` imports only ``kvtier.storage``, its ``base`` and its
+    ``config``: a backend's folder is its own to reshape (docs/architecture.md, "storage")."""
+    modules = _modules()
+    reaching = []
+    for name, path in modules.items():
+        if name == "kvtier.storage" or name.startswith("kvtier.storage."):
+            continue
+        for dep in _imports(path, set(modules)):
+            if dep.startswith("kvtier.storage.") and dep not in STORAGE_FACES:
+                reaching.append(f"{name} imports {dep}")
+    assert reaching == [], reaching

@@ -34,8 +34,7 @@ from kvtier.engine import reaper
 from kvtier.errors import ConfigError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory import shm
-from kvtier.storage import mooncake_config
-from kvtier.storage.mooncake.config import process_environment
+from kvtier.storage import mooncake_config, process_environment
 from kvtier.transport.endpoint import reclaim_endpoint
 from kvtier.worker.config import WorkerConfig, env_sources, resolve
 from kvtier.worker.orphans import LAUNCH_DIR_PREFIX, OWNER_LOCK, reclaim_orphans

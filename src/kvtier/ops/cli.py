@@ -38,8 +38,7 @@ from kvtier.ops.pd_proxy import add_pd_proxy
 from kvtier.ops.status import add_status
 from kvtier.ops.store_cli import add_store
 from kvtier.ops.table import printable
-from kvtier.storage import mooncake_config, with_memory_tier
-from kvtier.storage.mooncake.config import process_environment
+from kvtier.storage import mooncake_config, process_environment, with_memory_tier
 
 BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "copy": "device<->host swap GB/s vs contiguous copy and loop",

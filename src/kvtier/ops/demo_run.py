@@ -16,8 +16,7 @@ from kvtier.common.interrupts import CleanupStack
 from kvtier.common.user_dirs import open_user_directory
 from kvtier.errors import ConfigError
 from kvtier.ops.table import printable
-from kvtier.storage import describe_backend, with_memory_tier
-from kvtier.storage.mooncake.local import LocalMaster, LocalStoreNode
+from kvtier.storage import LocalMaster, LocalStoreNode, describe_backend, with_memory_tier
 from kvtier.worker.config import check_instance_id
 
 if TYPE_CHECKING:

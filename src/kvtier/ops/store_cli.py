@@ -19,7 +19,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.ops.cli_args import DefaultsFormatter, byte_size, duration
 from kvtier.ops.table import age, print_table, printable, size
-from kvtier.storage.mooncake.config import remove_matching
+from kvtier.storage import remove_matching
 from kvtier.transport.auth import read_key
 
 
@@ -95,9 +95,10 @@ STATS_COLUMNS = [
 
 
 def _scan(root: str) -> list:
-    from kvtier.storage.file.admin import scan
+    # local: the file store's admin tools load only for the subcommands that use them
+    from kvtier.storage import file_admin
 
-    return list(scan(root))
+    return list(file_admin.scan(root))
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -168,7 +169,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from kvtier.storage.file.admin import remove, verify_all
+    # local: the file store's admin tools load only for the subcommands that use them
+    from kvtier.storage import file_admin
 
     mac_key = None
     if args.mac_key_file:
@@ -176,12 +178,12 @@ def _verify(args: argparse.Namespace) -> int:
     objects = _scan(args.root)
     own = [o for o in objects if not o.foreign]
     bar = None if args.json else Progress("verifying", "objects")
-    verify_all(own, mac_key, bar.update if bar else None)
+    file_admin.verify_all(own, mac_key, bar.update if bar else None)
     if bar:
         bar.done()
     corrupt = [o for o in own if o.problem]
     foreign = [o for o in objects if o.foreign]
-    removed = sum(remove(o) for o in corrupt) if args.repair else 0
+    removed = sum(file_admin.remove(o) for o in corrupt) if args.repair else 0
     summary: dict[str, Any] = {
         "sound": len(own) - len(corrupt),
         "corrupt": len(corrupt),
@@ -246,18 +248,19 @@ def _gc(args: argparse.Namespace) -> int:
         return _gc_mooncake(args)
     if not args.root:
         raise ConfigError("root", "give a file store directory, or --mooncake-master HOST:PORT")
-    from kvtier.storage.file.admin import Selection, remove, select
+    # local: the file store's admin tools load only for the subcommands that use them
+    from kvtier.storage import file_admin
 
     older, capacity = args.older_than, args.capacity  # parsed by the options' types
-    selection = Selection(
+    selection = file_admin.Selection(
         frozenset(args.namespace),
         frozenset(args.version),
         frozenset(args.fingerprint),
         older,
         capacity,
     )
-    chosen = select(_scan(args.root), selection)
-    removed = 0 if args.dry_run else sum(remove(o) for o, _ in chosen)
+    chosen = file_admin.select(_scan(args.root), selection)
+    removed = 0 if args.dry_run else sum(file_admin.remove(o) for o, _ in chosen)
     freed = sum(o.size for o, _ in chosen)
     by_reason: dict[str, int] = defaultdict(int)
     for _, reason in chosen:

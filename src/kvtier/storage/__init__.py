@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,21 +33,39 @@ __all__ = [
     "StorageStats",
     "StorageUsage",
     "describe_backend",
+    "read_mac_key",
     "make_backend",
     "mooncake_config",
     "parse_storage",
     "register_backend",
     "with_memory_tier",
 ]
-# The backends (and torch, which they use) load on first use: `kvtier store` needs neither.
-_FROM_BASE = ("StorageBackend", "StorageStats", "StorageUsage")
+# What code outside kvtier.storage may use, by the module that holds it (loaded on first use:
+# `kvtier store` needs neither the backends nor torch). Outside this package only
+# ``kvtier.storage``, ``kvtier.storage.base`` and ``kvtier.storage.config`` are imported
+# (tests/unit/test_structure.py): a backend's modules are its own to reshape.
+_LAZY = {
+    "StorageBackend": "kvtier.storage.base",
+    "StorageStats": "kvtier.storage.base",
+    "StorageUsage": "kvtier.storage.base",
+    "HEADER_BYTES": "kvtier.storage.format",
+    "ObjectFormat": "kvtier.storage.format",
+    "read_header": "kvtier.storage.format",
+    "process_environment": "kvtier.storage.mooncake.config",
+    "remove_matching": "kvtier.storage.mooncake.config",
+    "LocalMaster": "kvtier.storage.mooncake.local",
+    "LocalStoreNode": "kvtier.storage.mooncake.local",
+    "LocalS3Server": "kvtier.storage.s3.local",
+}
+# Operator tools over one backend's stored objects, as modules: ``kvtier store`` on a file store.
+_TOOLS = {"file_admin": "kvtier.storage.file.admin"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_BASE:
-        from kvtier.storage import base
-
-        return getattr(base, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _TOOLS:
+        return importlib.import_module(_TOOLS[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -197,6 +197,11 @@ class StorageBackend(ABC):
         """How many leading ``keys`` are stored with a sound header (stops at the first hole).
         Reads no payload. Raises StorageUnavailable when the store cannot be reached."""
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is stored, from what this process knows without a request where it
+        can (a tier chain asks its other tiers this when one evicts: must not block long)."""
+        return self.exists_prefix([key]) == 1
+
     def prefix_tiers(self, keys: Sequence[str]) -> tuple[int, bytes]:
         """``exists_prefix(keys)``, and the tier (0 = the fastest) each of those blocks would
         load from, one byte each; empty when all come from the first (one backend: always)."""
@@ -288,6 +293,11 @@ class StorageBackend(ABC):
         """A caller found a fetched payload bad (deferred verification): count, log, remove."""
         self._corrupt(key, ObjectCorrupt(reason))
         self.delete([key])
+
+    def tier_stats(self) -> list[dict]:
+        """Counters per tier of a chain, fastest first (``tier``, ``backend``, counts). One
+        backend: none (its ``stats`` are the store's)."""
+        return []
 
     def register_host_pool(self, pool, blocks: range | None = None) -> None:  # noqa: B027
         """Called once per HostPool before it is used; zero-copy backends register ``blocks``

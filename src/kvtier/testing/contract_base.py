@@ -17,9 +17,8 @@ import xxhash
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.layout.spec import CacheDType, KVCacheSpec
 from kvtier.memory.host import HostPool
-from kvtier.storage import make_backend
+from kvtier.storage import HEADER_BYTES, ObjectFormat, make_backend
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.format import HEADER_BYTES, ObjectFormat
 
 # fp8 with scales: every backend must carry every part.
 CONTRACT_SPEC = KVCacheSpec(

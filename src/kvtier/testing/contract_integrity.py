@@ -9,7 +9,7 @@ import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.checksum import payload_checksum
-from kvtier.storage.format import HEADER_BYTES, ObjectFormat
+from kvtier.storage import HEADER_BYTES, ObjectFormat
 from kvtier.testing.contract_base import (
     CONTRACT_SPEC,
     MAC_KEY,

@@ -38,7 +38,6 @@ from kvtier.memory.copier import BlockCopier, make_copier
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostLayout, HostPool, copy_block
 from kvtier.storage.base import StorageBackend
-from kvtier.storage.file.io import zero
 from kvtier.transport.tasks import (
     DataTask,
     Load,
@@ -315,7 +314,7 @@ class DataPath:
                 for block, mine in zip(blocks, landed):
                     copy_block(mine, block)
             pieces = [[b.numpy().data] for b in landed]
-            good = check_copies(self.storage, keys, headers, pieces, scrub=zero).tolist()
+            good = check_copies(self.storage, keys, headers, pieces, scrub=_zero).tolist()
             verified = leading_true(good)
             if verified < fetched:
                 self.storage.report_corrupt(keys[verified], CHECK_FAILED)
@@ -343,3 +342,9 @@ def _prefix_outcome(ids: list[int], done: int, moved: int, verb: str, skipped: i
         bytes_moved=moved,
         message=f"{verb} {done} of {len(ids)} blocks",
     )
+
+
+def _zero(views) -> None:
+    """Scrub bytes that failed a check (never left where the engine reads)."""
+    for view in views:
+        view[:] = bytes(len(view))

@@ -30,7 +30,6 @@ import msgspec
 from kvtier.common.cpus import run_on
 from kvtier.memory import shm
 from kvtier.storage import describe_backend
-from kvtier.storage.chain.store import TieredStore
 from kvtier.transport import tasks as t
 from kvtier.transport.auth import CurveKeys
 from kvtier.transport.base import Peer
@@ -316,7 +315,7 @@ class Worker:
             # counters only (a result's data nests three levels deep, the last of numbers).
             "storage_tiers": (
                 {str(row.pop("tier")): (row.pop("backend"), row)[1] for row in storage.tier_stats()}
-                if isinstance(storage, TieredStore)
+                if storage is not None
                 else {}
             ),
             "weight_version": self.resources.keys.version,

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvtier.errors import StorageError, StorageUnavailable
 from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
+from kvtier.storage.chain.removals import ChainRemovals
 from kvtier.storage.chain.writer import LowerWriter, TierHealth
 from kvtier.storage.config import WRITE_MODES
 from kvtier.storage.format import ObjectFormat
@@ -133,14 +134,6 @@ class TieredStore(StorageBackend):
         self._live()
         return result
 
-    def _ask(self, level: int, call, *args, default):
-        """``call(*args)`` on tier ``level``; ``default`` if the tier is down."""
-        try:
-            return call(*args)
-        except StorageUnavailable as e:
-            self.health.down(level, e)
-            return default
-
     # ---- the contract ------------------------------------------------------------------------
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
@@ -151,7 +144,7 @@ class TieredStore(StorageBackend):
         levels, live = bytearray(), self._live()
         while len(levels) < len(keys):
             for level, tier in live:
-                found = self._ask(level, tier.exists_prefix, keys[len(levels) :], default=0)
+                found = self.health.ask(level, tier.exists_prefix, keys[len(levels) :], default=0)
                 if found:
                     levels += bytes([level]) * found
                     break
@@ -187,7 +180,9 @@ class TieredStore(StorageBackend):
         if not keys or not top.supports_scattered_reads or not self.health.up(0):
             return
         new = [
-            i for i, key in enumerate(keys) if not self._ask(0, top.exists_prefix, [key], default=1)
+            i
+            for i, key in enumerate(keys)
+            if not self.health.ask(0, top.exists_prefix, [key], default=1)
         ]
         if new:
             self._promote("put_from_scattered", [keys[i] for i in new], [sources[i] for i in new])
@@ -201,7 +196,7 @@ class TieredStore(StorageBackend):
         while start < len(keys):
             for level, tier in live:
                 args = (keys[start:], targets[start:], go_on)
-                got = self._ask(
+                got = self.health.ask(
                     level, tier.get_into_scattered, *args, default=[False] * len(args[0])
                 )
                 run = got.index(False) if False in got else len(got)
@@ -232,19 +227,24 @@ class TieredStore(StorageBackend):
         return self._put(keys, "put_from_scattered", sources)
 
     def _put(self, keys, method: str, *args) -> list[bool]:
-        """Into the first live tier (the top one unless it is down) that takes this kind of
-        put; lower ones: the writer."""
+        """Into the first live tier (the top unless down) taking such puts; below: the writer."""
         scattered = method == "put_from_scattered"
         for level, tier in self._live():
             if scattered and not tier.supports_scattered_reads:
                 continue
+            writer = self.writer if level == 0 else None
+            if writer:  # dirty before the put: one it evicts at once is kept
+                writer.expect(keys)
             try:
                 ok = getattr(tier, method)(keys, *args)
             except StorageUnavailable as e:
                 self.health.down(level, e)
+                if writer:
+                    writer.unexpect(keys)
                 continue
-            if level == 0 and self.writer is not None:
-                self.writer.saved([k for k, stored in zip(keys, ok) if stored])
+            if writer:
+                writer.unexpect([k for k, stored in zip(keys, ok) if not stored])
+                writer.saved([k for k, stored in zip(keys, ok) if stored])
             return self._count(ok, "puts", "put_failures")
         which = " that writes from a device block's pieces" if scattered else ""
         raise StorageUnavailable(f"every storage tier{which} is unavailable")
@@ -252,7 +252,7 @@ class TieredStore(StorageBackend):
     def _promote(self, method: str, keys, *args) -> None:
         """Put what was loaded from below into the top tier (``method``: its put)."""
         put = getattr(self.tiers[0], method)
-        if self.health.up(0) and self._ask(0, put, keys, *args, default=None):
+        if self.health.up(0) and self.health.ask(0, put, keys, *args, default=None):
             self.promotions += len(keys)
 
     def _count(self, results: list[bool], hit: str = "hits", miss: str = "misses") -> list[bool]:
@@ -264,7 +264,7 @@ class TieredStore(StorageBackend):
             self.writer.forget(keys)
         removed = 0
         for level, tier in enumerate(self.tiers):
-            removed = max(removed, self._ask(level, tier.delete, keys, default=0))
+            removed = max(removed, self.health.ask(level, tier.delete, keys, default=0))
         return removed
 
     def found_corrupt(self, key: str) -> bool:
@@ -285,7 +285,7 @@ class TieredStore(StorageBackend):
 
     def tier_usage(self) -> list[StorageUsage | None]:
         """Each tier's usage (None: the tier is down)."""
-        return [self._ask(level, t.usage, default=None) for level, t in enumerate(self.tiers)]
+        return [self.health.ask(level, t.usage, default=None) for level, t in enumerate(self.tiers)]
 
     def read_object(self, key: str) -> bytes | None:
         for tier in self.tiers:
@@ -302,9 +302,9 @@ class TieredStore(StorageBackend):
         self.tiers[0].write_object(key, data)
 
     def watch_removals(self, listener) -> None:
-        """Only the last tier's evictions remove an object from the chain; the others hand
-        theirs down (or hold copies below)."""
-        self.tiers[-1].watch_removals(listener)
+        """Keys that left the chain: no tier holds them any more (``chain.removals``)."""
+        self._removal_listener = listener
+        ChainRemovals(self.tiers, self.writer, self._evicted)
 
     def register_host_pool(self, pool, blocks: range | None = None) -> None:
         for tier in self.tiers:
@@ -348,7 +348,7 @@ def _get_from(chain, level, tier, keys, host_blocks, todo, checksums_out, header
     headers copied out where asked for). A tier that is down loads none."""
     sums = None if checksums_out is None else np.zeros(len(todo), dtype=np.uint64)
     heads: list[bytes | None] | None = None if headers_out is None else [None] * len(todo)
-    got = chain._ask(
+    got = chain.health.ask(
         level,
         tier.get_into,
         [keys[i] for i in todo],

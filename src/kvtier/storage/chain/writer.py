@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ObjectCorrupt, StorageUnavailable
@@ -70,6 +70,14 @@ class TierHealth:
         self._down_until[level] = time.monotonic() + DOWN_S
         self.unavailable[level] += 1
 
+    def ask(self, level: int, call, *args, default):
+        """``call(*args)`` on tier ``level``; ``default`` if the tier is down."""
+        try:
+            return call(*args)
+        except StorageUnavailable as e:
+            self.down(level, e)
+            return default
+
 
 @dataclass
 class WriterCounts:
@@ -101,6 +109,7 @@ class LowerWriter:
         self._spilled_bytes = 0
         self._in_flight: set[str] = set()
         self._stopping = False
+        self._on_drop: Callable[[list[str]], None] | None = None
         self._ring = HostPool(top.spec, WRITE_BATCH)
         for tier in self.lower:
             tier.register_host_pool(self._ring)
@@ -113,9 +122,10 @@ class LowerWriter:
     # ---- what the chain tells it ------------------------------------------------------------
 
     def saved(self, keys: Sequence[str]) -> None:
-        """``keys`` are now in the top tier (and maybe in no lower one)."""
+        """``keys`` are now in the top tier (and maybe in no lower one). Dirty since ``expect``:
+        one the same put evicted may be written down already (then it is not queued again)."""
         with self._cond:
-            self._dirty.update(keys)
+            keys = [key for key in keys if key in self._dirty]
             if not self.through:
                 return
             for key in keys:
@@ -124,6 +134,19 @@ class LowerWriter:
                 else:
                     self.counts.deferred += 1
             self._cond.notify_all()
+
+    def expect(self, keys: Sequence[str]) -> None:
+        """``keys`` are about to be put into the top tier: dirty from now on, so that one the
+        same put evicts (a batch over the top tier's capacity) is handed over, not lost."""
+        with self._cond:
+            self._dirty.update(keys)
+
+    def unexpect(self, keys: Sequence[str]) -> None:
+        """The put did not store ``keys``: not dirty after all (unless already handed over)."""
+        with self._cond:
+            for key in keys:
+                if key not in self._spilled:
+                    self._dirty.discard(key)
 
     def spilled(self, objects: list[tuple[str, bytes]]) -> None:
         """The top tier evicted ``objects``: the dirty ones are kept until written down."""
@@ -149,6 +172,17 @@ class LowerWriter:
                 self._queue.pop(key, None)
                 data = self._spilled.pop(key, None)
                 self._spilled_bytes -= len(data) if data is not None else 0
+
+    def is_dirty(self, key: str) -> bool:
+        """Whether ``key`` is still to be written down (its bytes held here or in the top)."""
+        with self._cond:
+            return key in self._dirty
+
+    def watch_drops(self, listener: Callable[[list[str]], None]) -> None:
+        """Tell ``listener`` the keys of evicted objects that could not be written down (every
+        lower tier down, full or failing): they are gone from the chain. Called on the
+        writer's thread, outside its lock."""
+        self._on_drop = listener
 
     @property
     def pending(self) -> int:
@@ -265,14 +299,19 @@ class LowerWriter:
         return blocks, [[mine.numpy().data] for mine in originals]
 
     def _finish(self, done: dict[str, bool]) -> None:
+        dropped = []
         with self._cond:
-            for key in done:
+            for key, ok in done.items():
                 self._dirty.discard(key)
                 data = self._spilled.pop(key, None)
                 self._spilled_bytes -= len(data) if data is not None else 0
+                if data is not None and not ok:
+                    dropped.append(key)  # evicted from the top, and now held nowhere
             # A key not in ``done`` was not read (evicted meanwhile): it is still dirty, and
             # its spill queued it again with its bytes.
             self.counts.written += sum(done.values())
             self.counts.write_failures += len(done) - sum(done.values())
             self._in_flight = set()
             self._cond.notify_all()
+        if dropped and self._on_drop is not None:
+            self._on_drop(dropped)

@@ -108,6 +108,10 @@ class S3Store(StorageBackend):
     def _known(self, key: str) -> bool:
         return self._index.contains(key)
 
+    def holds(self, key: str) -> bool:
+        """From the index alone (no request)."""
+        return self._known(key)
+
     # ---- the contract -------------------------------------------------------------------------
 
     def exists_prefix(self, keys: Sequence[str]) -> int:

@@ -182,6 +182,9 @@ class FaultInjectingStore(StorageBackend):
     def found_corrupt(self, key: str) -> bool:
         return self.inner.found_corrupt(key)
 
+    def holds(self, key: str) -> bool:
+        return self.inner.holds(key)
+
     def watch_removals(self, listener) -> None:
         self.inner.watch_removals(listener)
 

