@@ -3,7 +3,10 @@ kvtier package that only configuration names: both run the whole storage contrac
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -270,3 +273,43 @@ def test_no_request_leaves_the_loopback(s3_server) -> None:
     fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     ours = [local for inode, local in listening if f"socket:[{inode}]" in fds]
     assert ours and all(local == "0100007F" for local in ours), ours
+
+
+def _store_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.ops.cli", "store", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_store_stats_verify_and_gc_work_on_an_s3_store(s3_server, credentials) -> None:
+    prefix = f"admin-{uuid.uuid4().hex[:8]}"
+    config = s3_config(s3_server, credentials, prefix)
+    url = f"s3://kvtier-test/{prefix}"
+    where = ["--endpoint", s3_server.endpoint, "--credentials-file", credentials]
+    keys, others = make_keys(5, namespace="admin-a"), make_keys(3, namespace="admin-b")
+    with HostPool(CONTRACT_SPEC, 16) as pool, make_backend(CONTRACT_SPEC, config) as store:
+        assert put_blocks(store, pool, keys) == [True] * 5
+        assert put_blocks(store, pool, others) == [True] * 3
+        data = bytearray(store.read_object(keys[1]))
+        data[-1] ^= 0x01  # the payload's last byte: found by verify only
+        store.write_object(keys[1], bytes(data))
+    stats = _store_cli("stats", url, *where, "--json")
+    assert stats.returncode == 0, stats.stderr
+    rows = [json.loads(line) for line in stats.stdout.splitlines()]
+    assert {r["namespace"]: r["objects"] for r in rows[:-1]} == {"admin-a": 5, "admin-b": 3}
+    verify = _store_cli("verify", url, *where, "--json")
+    assert verify.returncode == 1, verify.stderr  # one corrupt, not repaired
+    summary = json.loads(verify.stdout)
+    assert (summary["sound"], summary["corrupt"]) == (7, 1)
+    assert "checksum" in summary["problems"][0]["problem"]
+    repaired = _store_cli("verify", url, *where, "--repair", "--json")
+    assert json.loads(repaired.stdout)["removed"] == 1
+    gc = _store_cli("gc", url, *where, "--namespace", "admin-b", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert json.loads(gc.stdout)["removed"] == 3
+    assert len(list(s3_server_objects(s3_server, prefix))) == 4
+    bad = _store_cli("stats", "s3://", *where)
+    assert bad.returncode != 0 and "s3://bucket/prefix" in bad.stderr

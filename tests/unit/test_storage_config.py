@@ -37,6 +37,8 @@ def kinds(monkeypatch):
     docs' example does), restored after the test."""
     built_in = {k: v for k, v in storage_config._KINDS.items() if k in BUILT_IN}
     monkeypatch.setattr(storage_config, "_KINDS", built_in)
+    # ... and by module path: a config elsewhere may have named an out-of-tree one
+    monkeypatch.setattr(storage_config, "_MODULES", dict(storage_config.BUILT_IN))
     return storage_config._KINDS
 
 

@@ -1,6 +1,8 @@
 """`kvtier store stats|verify|gc`: look at and tidy a store without writing Python.
 
-The file store can be listed, so all three work on it. Mooncake's client API cannot list or
+The file store can be listed, so all three work on it; so can an s3 store, named
+``s3://bucket/prefix`` with ``--endpoint`` (or ``$AWS_ENDPOINT_URL``) and its credentials
+(``--credentials-file``, or the usual ``AWS_*`` environment). Mooncake's client API cannot list or
 read objects without knowing their keys: ``gc`` removes by namespace, version or fingerprint
 there (its ``remove_by_regex``); ``stats``, ``verify``, ``--older-than``, ``--capacity`` and
 ``--dry-run`` need a file store and say so.
@@ -40,7 +42,8 @@ def add_store(sub, common: argparse.ArgumentParser) -> None:
         formatter_class=fmt,
         help="objects and bytes per namespace, weight version and layout",
     )
-    stats.add_argument("root", help="file store directory")
+    stats.add_argument("root", help="file store directory, or s3://bucket/prefix")
+    _s3_arguments(stats)
     stats.add_argument("--json", action="store_true", help="one JSON object per group")
     stats.set_defaults(func=_stats)
 
@@ -50,12 +53,18 @@ def add_store(sub, common: argparse.ArgumentParser) -> None:
         formatter_class=fmt,
         help="check every object's header and payload",
     )
-    verify.add_argument("root", help="file store directory")
+    verify.add_argument("root", help="file store directory, or s3://bucket/prefix")
+    _s3_arguments(verify)
     verify.add_argument("--repair", action="store_true", help="remove corrupt objects (only)")
     verify.add_argument("--mac-key-file", help="also check MACs of authenticated objects")
     verify.add_argument("--json", action="store_true", help="print the summary as JSON")
     verify.set_defaults(func=_verify)
 
+    _add_gc(actions, common)
+
+
+def _add_gc(actions, common: argparse.ArgumentParser) -> None:
+    fmt = DefaultsFormatter
     gc = actions.add_parser(
         "gc",
         parents=[common],
@@ -64,7 +73,10 @@ def add_store(sub, common: argparse.ArgumentParser) -> None:
         description="Remove the objects that match every given criterion; then, with "
         "--capacity, the least recently used of the rest until the store fits.",
     )
-    gc.add_argument("root", nargs="?", help="file store directory (or --mooncake-master)")
+    gc.add_argument(
+        "root", nargs="?", help="file store directory, s3://bucket/prefix (or --mooncake-master)"
+    )
+    _s3_arguments(gc)
     gc.add_argument("--namespace", action="append", default=[], help="repeatable")
     gc.add_argument("--version", action="append", default=[], help="weight version; repeatable")
     gc.add_argument("--fingerprint", action="append", default=[], help="layout; repeatable")
@@ -94,15 +106,46 @@ STATS_COLUMNS = [
 ]
 
 
-def _scan(root: str) -> list:
-    # local: the file store's admin tools load only for the subcommands that use them
-    from kvtier.storage import file_admin
+def _s3_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", help="an s3 store's server: http(s)://host:port")
+    p.add_argument("--credentials-file", help="an s3 store's keys: a 0600 file (AWS form)")
 
-    return list(file_admin.scan(root))
+
+class _FileTarget:
+    """A file store's admin tools, as an s3 store's (``S3Target``) are called."""
+
+    def __init__(self, root: str) -> None:
+        # local: the file store's admin tools load only for the subcommands that use them
+        from kvtier.storage import file_admin
+
+        self.root, self.admin = root, file_admin
+
+    def scan(self) -> list:
+        return list(self.admin.scan(self.root))
+
+    def verify_all(self, objects: list, mac_key: bytes | None, progress) -> list:
+        return self.admin.verify_all(objects, mac_key, progress)
+
+    def remove(self, found) -> bool:
+        return self.admin.remove(found)
+
+
+def _target(args: argparse.Namespace):
+    if args.root.startswith("s3://"):
+        # local: obstore and the s3 backend load only for an s3 store
+        from kvtier.storage import s3_admin
+
+        return s3_admin.S3Target(args.root, args.endpoint, args.credentials_file)
+    return _FileTarget(args.root)
+
+
+def _where(found, root: str) -> str:
+    path = found.path
+    return printable(str(path if root.startswith("s3://") else path.relative_to(root)))
 
 
 def _stats(args: argparse.Namespace) -> int:
-    objects = _scan(args.root)
+    objects = _target(args).scan()
     groups: dict[tuple[str, str, str], list] = defaultdict(list)
     for o in objects:
         if not o.foreign and not o.problem:
@@ -169,21 +212,19 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    # local: the file store's admin tools load only for the subcommands that use them
-    from kvtier.storage import file_admin
-
     mac_key = None
     if args.mac_key_file:
         mac_key = read_key(args.mac_key_file, "mac_key_file")
-    objects = _scan(args.root)
+    target = _target(args)
+    objects = target.scan()
     own = [o for o in objects if not o.foreign]
     bar = None if args.json else Progress("verifying", "objects")
-    file_admin.verify_all(own, mac_key, bar.update if bar else None)
+    target.verify_all(own, mac_key, bar.update if bar else None)
     if bar:
         bar.done()
     corrupt = [o for o in own if o.problem]
     foreign = [o for o in objects if o.foreign]
-    removed = sum(file_admin.remove(o) for o in corrupt) if args.repair else 0
+    removed = sum(target.remove(o) for o in corrupt) if args.repair else 0
     summary: dict[str, Any] = {
         "sound": len(own) - len(corrupt),
         "corrupt": len(corrupt),
@@ -201,7 +242,7 @@ def _verify(args: argparse.Namespace) -> int:
         )
         for o in (corrupt + foreign)[:20]:
             kind = "foreign" if o.foreign else "corrupt"
-            where = printable(str(o.path.relative_to(args.root)))
+            where = _where(o, args.root)
             print(f"  {kind}: {where}: {printable(o.problem or '')}")
         if len(corrupt) + len(foreign) > 20:
             print(f"  ... and {len(corrupt) + len(foreign) - 20} more (--json lists all)")
@@ -259,8 +300,9 @@ def _gc(args: argparse.Namespace) -> int:
         older,
         capacity,
     )
-    chosen = file_admin.select(_scan(args.root), selection)
-    removed = 0 if args.dry_run else sum(file_admin.remove(o) for o, _ in chosen)
+    target = _target(args)
+    chosen = file_admin.select(target.scan(), selection)
+    removed = 0 if args.dry_run else sum(target.remove(o) for o, _ in chosen)
     freed = sum(o.size for o, _ in chosen)
     by_reason: dict[str, int] = defaultdict(int)
     for _, reason in chosen:

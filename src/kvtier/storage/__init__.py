@@ -58,7 +58,7 @@ _LAZY = {
     "LocalS3Server": "kvtier.storage.s3.local",
 }
 # Operator tools over one backend's stored objects, as modules: ``kvtier store`` on a file store.
-_TOOLS = {"file_admin": "kvtier.storage.file.admin"}
+_TOOLS = {"file_admin": "kvtier.storage.file.admin", "s3_admin": "kvtier.storage.s3.admin"}
 
 
 def __getattr__(name: str) -> Any:
