@@ -315,6 +315,58 @@ def scenario_storage_down(args: dict) -> None:
         emit("down", **generate(llm, prompts()))
 
 
+def scenario_s3_outage(args: dict) -> None:
+    """``tiers: [memory, file, s3]`` over a real S3 server that is killed mid-run and comes
+    back: requests never fail, completions stay the same, and S3 takes saves again after."""
+    from kvtier.storage import LocalS3Server
+
+    directory = Path(args["s3_dir"])
+    server = LocalS3Server(directory)
+    server.start(bucket="kvtier-engine")
+    try:
+        s3 = {
+            "backend": "s3",
+            "endpoint": server.endpoint,
+            "bucket": "kvtier-engine",
+            "credentials_file": str(server.write_credentials(directory / "credentials")),
+            "timeout_s": 2,
+            "retries": 1,
+        }
+        memory = {"backend": "memory", "capacity_bytes": 64 << 20}
+        storage = {"tiers": [memory, {"backend": "file", "root": args["root"]}, s3]}
+        llm = engine({**args, "storage": storage})
+        emit("first", **generate(llm, prompts()))
+        reset(llm)
+        emit("hits", **generate(llm, prompts()))
+        emit("s3_objects_before", n=len(_s3_objects(server)))
+        server.kill()
+        reset(llm)
+        emit("s3_down", **generate(llm, prompts() + prompts(2, 300, 800)))
+        server.start(bucket="kvtier-engine")  # the same data and ports
+        time.sleep(1.5)  # past the chain's DOWN_S: the tier is asked again
+        reset(llm)
+        emit("s3_back", **generate(llm, prompts() + prompts(2, 300, 900)))  # new full blocks
+        deadline = time.monotonic() + 60
+        while len(_s3_objects(server)) <= len(_s3_objects_seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        emit("s3_objects_after", n=len(_s3_objects(server)))
+    finally:
+        close_engines()
+        server.stop()
+
+
+_s3_objects_seen: list = []
+
+
+def _s3_objects(server) -> list:
+    import obstore
+
+    names = [m["path"] for page in obstore.list(server.client("kvtier-engine")) for m in page]
+    if not _s3_objects_seen:
+        _s3_objects_seen.extend(names)
+    return names
+
+
 def scenario_abort(args: dict) -> None:
     """A request whose load is in flight is aborted. Its blocks must not go back to the pool
     (where another request could get them) until the load has ended; then they do. Storage
@@ -388,6 +440,7 @@ SCENARIOS = {
     "tp": scenario_tp,
     "storage_down": scenario_storage_down,
     "abort": scenario_abort,
+    "s3_outage": scenario_s3_outage,
 }
 
 _ENGINES: list = []
@@ -395,10 +448,10 @@ _ENGINES: list = []
 
 def close_engines() -> None:
     """Shut the engines down the way vLLM does (connectors' shutdown included)."""
-    for llm in _ENGINES:
-        llm.llm_engine.engine_core.shutdown()
-    for subscriber in _SUBSCRIBERS:
-        subscriber.close()
+    while _ENGINES:  # once (a scenario that must stop its engine first calls it too)
+        _ENGINES.pop().llm_engine.engine_core.shutdown()
+    while _SUBSCRIBERS:
+        _SUBSCRIBERS.pop().close()
 
 
 if __name__ == "__main__":

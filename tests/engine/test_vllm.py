@@ -269,3 +269,30 @@ def test_at_its_defaults_a_fast_store_beside_a_cpu_hog_is_never_declined(model, 
         assert phases[f"reuse{r}_again"]["delta"]["kvtier_loaded_tokens"] >= 512, phases
     for t in (1, 2):  # each turn loads the turn before it (its prompt and its answer's blocks)
         assert phases[f"chat{t}"]["delta"]["kvtier_loaded_tokens"] >= 512, phases
+
+
+def test_a_chain_over_s3_serves_on_while_the_s3_server_is_killed(
+    reference, model, short_tmp_path, tmp_path
+) -> None:
+    """``tiers: [memory, file, s3]`` against a real S3 server (SeaweedFS), killed mid-run and
+    started again: no request fails, the completions are the reference's, and the s3 tier takes
+    saves again once it is back."""
+    from conftest import require_s3
+
+    require_s3()
+    phases = run(
+        "s3_outage",
+        model=model,
+        instance=_instance(),
+        root=str(tmp_path / "store"),
+        s3_dir=str(short_tmp_path),
+    )
+    expected = reference["reference"]["tokens"]
+    assert phases["first"]["tokens"] == phases["hits"]["tokens"] == expected
+    assert phases["s3_objects_before"]["n"] > 0  # written through to S3
+    for phase in ("hits", "s3_down", "s3_back"):
+        assert external_hits(phases[phase]) > 0, phase
+        assert phases[phase]["delta"]["kvtier_failed_tokens"] == 0, phase
+    assert phases["s3_down"]["tokens"][:4] == expected
+    assert phases["s3_back"]["tokens"][:4] == expected
+    assert phases["s3_objects_after"]["n"] > phases["s3_objects_before"]["n"]  # saves resumed
