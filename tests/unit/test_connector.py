@@ -647,3 +647,19 @@ def test_a_save_blocked_on_its_store_is_reported_before_its_answer(connector) ->
     scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=out))
     assert scheduler.decide.blocks_to_load(6) == 0  # 6 blocks, > 0.08 s each, vs ms
     until(lambda: transfers.get_finished({req.request_id})[0] == {req.request_id})
+
+
+def test_the_scheduler_side_sees_the_storage_the_workers_run(monkeypatch) -> None:
+    """``KVTIER_STORAGE*`` reaches the workers through the launcher's merge; the scheduler's
+    tier count and the KV events' backend name read the same merge, not the file default."""
+    monkeypatch.setenv(
+        "KVTIER_STORAGE", "{tiers: [{backend: memory}, {backend: file, root: /tmp/x}]}"
+    )
+    settings = ConnectorSettings.from_extra_config({})
+    assert [b.backend for b in settings.storage_config.backends] == ["memory", "file"]
+    assert settings.storage_config is settings.storage_config  # parsed once
+    monkeypatch.delenv("KVTIER_STORAGE")
+    monkeypatch.setenv("KVTIER_STORAGE_BACKEND", "memory")
+    assert ConnectorSettings.from_extra_config({}).storage_config.backend == "memory"
+    given = ConnectorSettings.from_extra_config({"storage": {"backend": "file", "root": "/y"}})
+    assert given.storage_config.backend == "file"  # the connector's own setting wins

@@ -83,7 +83,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 instance, world_size, block_size, self.settings, role=self.kv_role
             )
             if events:
-                backend = describe_backend(self.settings.storage or {"backend": "file"})
+                backend = describe_backend(self.settings.storage_config)
                 self._tier_events = TierEvents(world_size, block_size, backend)
         else:
             from kvtier.vllm.worker import WorkerSide

@@ -40,7 +40,6 @@ from typing import Any
 
 from kvtier.engine.client import Client
 from kvtier.errors import KvtierError
-from kvtier.storage import parse_storage
 from kvtier.vllm.decide import IN_STEP_WAIT_S, LoadOrRecompute
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.worker.config import endpoint_for
@@ -124,7 +123,7 @@ class SchedulerSide:
         self._estimates_at = float("-inf")
         self._decline_log = _DeclineLog()
         # The store's tiers, as the workers were launched with them (the default: one).
-        backends = parse_storage(settings.storage).backends
+        backends = settings.storage_config.backends
         self.tier_count = len(backends)
         self.tier_names = [b.backend for b in backends]
 

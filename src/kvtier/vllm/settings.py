@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.common.cpus import parse_cpu_list
 from kvtier.errors import ConfigError
-from kvtier.storage import parse_storage
+from kvtier.storage import StorageConfig, parse_storage
 
 PREFIX = "kv_connector_extra_config"
 KV_EVENTS = ("auto", "any_interface", "off")
@@ -77,6 +79,20 @@ class ConnectorSettings:
         settings = cls(**data)
         settings.check()
         return settings
+
+    @cached_property
+    def storage_config(self) -> StorageConfig:
+        """The storage the workers run, parsed once: the ``KVTIER_STORAGE*`` environment, then
+        ``storage`` key by key, merged as the launcher merges them for the workers
+        (``kvtier.engine.launcher``). The scheduler's tier count and the KV events' backend
+        name read it, so they describe the store the workers open, whatever set it."""
+        # local: the worker's settings machinery, for the environment's storage variables only
+        from kvtier.common.config_sources import Source, merge
+        from kvtier.worker.config import env_sources
+
+        given = Source(f"{PREFIX}.storage", {"storage": self.storage})
+        merged = merge([*env_sources(os.environ), given])
+        return parse_storage(merged.values.get("storage"))
 
     def check(self) -> None:
 
