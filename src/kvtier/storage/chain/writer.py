@@ -116,8 +116,14 @@ class LowerWriter:
         self._private: HostPool | None = None  # where objects are read and checked
         if top.format.authenticated and any(t.exposes_registered_memory for t in self.lower):
             self._private = HostPool(top.spec, WRITE_BATCH)
+        # Started by the first object to write down, not here: a chain that is built and
+        # closed unused (a config check, a failed start) never has a thread to stop.
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-writer", daemon=True)
-        self._thread.start()
+
+    def _started(self) -> None:
+        """The writing thread runs (called with ``_cond`` held, before anything is queued)."""
+        if not self._thread.is_alive() and not self._stopping and self._thread.ident is None:
+            self._thread.start()
 
     # ---- what the chain tells it ------------------------------------------------------------
 
@@ -128,6 +134,7 @@ class LowerWriter:
             keys = [key for key in keys if key in self._dirty]
             if not self.through:
                 return
+            self._started()
             for key in keys:
                 if len(self._queue) < MAX_QUEUED:
                     self._queue[key] = None
@@ -151,6 +158,7 @@ class LowerWriter:
     def spilled(self, objects: list[tuple[str, bytes]]) -> None:
         """The top tier evicted ``objects``: the dirty ones are kept until written down."""
         with self._cond:
+            self._started()
             for key, data in objects:
                 if key not in self._dirty or self._stopping:
                     continue
@@ -194,6 +202,8 @@ class LowerWriter:
         """Write every dirty object down (or give up at ``timeout_s``); how many are left."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if self._dirty:
+                self._started()
             for key in self._dirty:
                 self._queue[key] = None
             self._cond.notify_all()
@@ -208,7 +218,8 @@ class LowerWriter:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         for tier in self.lower:
             tier.unregister_host_pool(self._ring)
         self._ring.close()
