@@ -161,6 +161,11 @@ class StorageBackend(ABC):
         if keys and self._removal_listener is not None:
             self._removal_listener(keys)
 
+    @property
+    def wrapped(self) -> StorageBackend:
+        """The backend under any wrappers (the fault injector): itself for a backend."""
+        return self
+
     # ---- capabilities: every backend states them -------------------------------------------
 
     @property

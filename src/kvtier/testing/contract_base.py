@@ -59,7 +59,7 @@ def authenticated(store: StorageBackend, key: bytes | None):
     The same switch ``storage.mac_key_file`` makes at construction; applied to a live store so
     that every backend (including class-scoped ones) runs the MAC tests.
     """
-    stores = [store] + ([store.inner] if hasattr(store, "inner") else [])
+    stores = [store] + ([store.wrapped] if store.wrapped is not store else [])
     saved = [s.format for s in stores]
     for s in stores:
         s.format = ObjectFormat(s.fingerprint, key)

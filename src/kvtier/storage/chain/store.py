@@ -55,7 +55,7 @@ class TieredStore(StorageBackend):
         self.tiers = list(tiers)  # before the base sets ``format`` (passed on to every tier)
         super().__init__(tiers[0].spec, mac_key)
         self.write, self.flush_timeout_s = write, flush_timeout_s
-        self.health = TierHealth([getattr(t, "inner", t).kind for t in self.tiers])
+        self.health = TierHealth([t.wrapped.kind for t in self.tiers])
         self.promotions = 0
         self.writer: LowerWriter | None = None
         if len(self.tiers) > 1:

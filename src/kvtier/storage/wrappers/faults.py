@@ -182,6 +182,10 @@ class FaultInjectingStore(StorageBackend):
     def found_corrupt(self, key: str) -> bool:
         return self.inner.found_corrupt(key)
 
+    @property
+    def wrapped(self) -> StorageBackend:
+        return self.inner.wrapped
+
     def holds(self, key: str) -> bool:
         return self.inner.holds(key)
 
