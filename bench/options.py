@@ -335,6 +335,13 @@ def reuse_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one more server per round: vLLM with a connector that does nothing",
     )
+    p.add_argument(
+        "--s3-outage",
+        type=float,
+        metavar="SECONDS",
+        help="kvtier's store is tiers [memory, file, s3] over a local S3 server, killed SECONDS "
+        "after the client starts and started again SECONDS later",
+    )
     server_pair_arguments(p)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_bench.common import print_json_rows, progress
+from kvtier_bench.reuse_s3 import s3_chain
 from kvtier_bench.serve import NULL_CONNECTOR, binding, reserved_cpus
 from kvtier_bench.vllm_server import Server
 
@@ -73,12 +74,21 @@ def client_command(args: argparse.Namespace, server: Server, result: Path, seed:
 
 def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, Any]:
     """A fresh server (``plain``, ``kvtier`` or ``null``) through one run of vLLM's client."""
+    if label == "kvtier" and args.s3_outage:
+        with s3_chain(root / f"s3-{run}", args.s3_outage) as (storage, outage):
+            extra = {"storage": storage, **json.loads(args.kvtier_settings)}
+            out = _one_server(args, model, root, label, run, extra, outage["start"])
+        return {**out, **outage["happened"]}
     extra = None
     if label == "kvtier":
         storage: dict[str, Any] = {"backend": "file", "root": str(root / f"store{run}")}
         if args.store_faults:
             storage["faults"] = json.loads(args.store_faults)
         extra = {"storage": storage, **json.loads(args.kvtier_settings)}
+    return _one_server(args, model, root, label, run, extra)
+
+
+def _one_server(args, model, root, label, run, extra, on_client_start=None) -> dict[str, Any]:
     server = Server(
         model,
         root / f"{label}{run}",
@@ -100,6 +110,8 @@ def one_server(args, model: str, root: Path, label: str, run: int) -> dict[str, 
         # workload's, not the server's start (the p99 after the first burst is shown too).
         server.complete(" ".join(["af ag ah ai"] * (args.prefix_tokens // 4)), 2)
         server.reset_prefix_cache()
+        if on_client_start is not None:
+            on_client_start()
         out.update(measure(args, server, root / f"{label}{run}.json", run))
         out["stop_s"] = server.stop()
         ttfts = out["ttfts"]
