@@ -233,6 +233,7 @@ def rows_of(rounds: list[dict[str, dict]], burst: int) -> list[dict[str, Any]]:
                 "plain_ttfts_ms": [round(t * 1e3) for t in r["plain"]["ttfts"]],
                 "kvtier_ttfts_ms": [round(t * 1e3) for t in r["kvtier"]["ttfts"]],
                 **_null(r, burst),
+                **{k: v for k, v in r["kvtier"].items() if k.startswith("s3_")},
             }
         )
     pooled = {
@@ -278,6 +279,12 @@ def print_report(rows: list[dict[str, Any]]) -> None:
             f"same completions: {row['same_completions']}"
         )
         print(f"{'':<7} estimates: {row['estimates']}")
+        if "s3_restarted" in row:
+            print(
+                f"{'':<7} S3 killed mid-run (objects then: {row.get('s3_objects_at_kill')}), "
+                f"restarted: {row['s3_restarted']}, objects at the end: "
+                f"{row.get('s3_objects_at_end')}"
+            )
         if "null_ratio_ttft_p99_s" in row:
             print(
                 f"{'':<7} null connector / no connector: TTFT mean "
