@@ -313,3 +313,20 @@ def test_store_stats_verify_and_gc_work_on_an_s3_store(s3_server, credentials) -
     assert len(list(s3_server_objects(s3_server, prefix))) == 4
     bad = _store_cli("stats", "s3://", *where)
     assert bad.returncode != 0 and "s3://bucket/prefix" in bad.stderr
+
+
+def test_a_refresh_of_the_listing_keeps_the_recency_this_process_saw(s3_server, credentials):
+    """The index is listed again every ``refresh_s``: objects it knew keep their recency (a
+    load made one the most recently used), so capacity still evicts the least recently used."""
+    config = s3_config(s3_server, credentials, f"recency-{uuid.uuid4().hex[:8]}")
+    config["capacity_bytes"] = 3 * OBJECT_BYTES
+    keys = make_keys(4)
+    with HostPool(CONTRACT_SPEC, 16) as pool, make_backend(CONTRACT_SPEC, config) as store:
+        evicted: list[str] = []
+        store.watch_removals(evicted.extend)
+        assert put_blocks(store, pool, keys[:3]) == [True] * 3
+        assert got_exact(store, pool, keys[:1]) == [True]  # keys[0]: now the most recent
+        store._relist()  # what the periodic refresh runs
+        assert put_blocks(store, pool, keys[3:]) == [True]
+        assert evicted == [keys[1]]
+        assert store.exists_prefix(keys[:1]) == 1

@@ -66,6 +66,25 @@ class LruIndex:
                 out.append(name)
         return out
 
+    def names(self) -> set[str]:
+        with self._lock:
+            return set(self._sizes)
+
+    def merge(self, found: Iterable[tuple[float, str, int]], since: set[str]) -> None:
+        """A fresh listing, (mtime, name, bytes) in any order, into the index without losing
+        its recency: names it did not know go first (oldest modified first: least recently
+        used), the known ones keep their order; a known name the listing lacks is gone (another
+        writer removed it) unless it is not in ``since`` (added while the listing ran)."""
+        listed = {name: size for _, name, size in sorted(found)}
+        with self._lock:
+            merged = OrderedDict((n, s) for n, s in listed.items() if n not in self._sizes)
+            for name, size in self._sizes.items():
+                if name in listed or name not in since:
+                    merged[name] = listed.get(name, size)
+            self._sizes = merged
+            self._used = sum(merged.values())
+            self._scanned_at = time.monotonic()
+
     def replace(self, found: Iterable[tuple[float, str, int]]) -> None:
         """The index from a directory scan: (mtime, name, bytes) in any order."""
         ordered = sorted(found)

@@ -6,7 +6,8 @@ of other models or versions never answer). Reads check the header against the ke
 payload against the checksum (or the MAC) before a block is reported True.
 
 What the bucket holds is indexed here: listed once at open (ListObjectsV2, 1000 objects a
-request) and again every ``refresh_s``, kept in least-recently-used order. Lookups answer from
+request) and again every ``refresh_s`` (merged: objects new to it go in as the least recently
+used, the ones it knew keep their recency), kept in least-recently-used order. Lookups answer from
 the index without a request; where the index runs out, the next keys are probed with HEADs in
 parallel (another writer may have stored them: one round of requests per lookup, not one per
 block). S3 keeps no recency of its own, so capacity is enforced here: after a put takes the
@@ -79,12 +80,13 @@ class S3Store(StorageBackend):
     def _relist(self) -> None:
         with self._list_lock:
             self._list_tried_at = time.monotonic()
+            known = self._index.names()
             try:
                 found = [(t, k, n) for t, k, n in self._client.list() if n == self.object_bytes]
             except StorageUnavailable as e:
                 self._list_error = str(e)
                 raise
-            self._index.replace(found)
+            self._index.merge(found, since=known)  # keeps the recency this process saw
             self._listed_at = time.monotonic()
         self._evict()
 
