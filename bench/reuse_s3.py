@@ -55,6 +55,7 @@ def s3_chain(root: Path, outage_s: float) -> Iterator[tuple[dict[str, Any], dict
             return
         server.start(bucket=BUCKET)
         happened["s3_restarted"] = True
+        stop.wait()  # the server dies with the thread that started it: this one lives on
 
     timer = threading.Thread(target=outage, name="s3-outage", daemon=True)
     try:

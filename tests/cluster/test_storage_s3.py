@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -330,3 +331,39 @@ def test_a_refresh_of_the_listing_keeps_the_recency_this_process_saw(s3_server, 
         assert put_blocks(store, pool, keys[3:]) == [True]
         assert evicted == [keys[1]]
         assert store.exists_prefix(keys[:1]) == 1
+
+
+def test_a_sigkilled_starter_leaves_no_s3_server_behind(short_tmp_path) -> None:
+    from conftest import require_s3
+
+    require_s3()
+    code = (
+        "import sys; from pathlib import Path; from kvtier.storage import LocalS3Server\n"
+        "s = LocalS3Server(Path(sys.argv[1])); s.start(bucket='kvtier-test')\n"
+        "print(s.process.pid, *s.grpc_sockets(), flush=True); sys.stdin.read()\n"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", code, str(short_tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid, *sockets = starter.stdout.readline().split()
+        weed = int(pid)
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{weed}").exists() and _state(weed) != "Z":
+        assert time.monotonic() < deadline, "weed outlived its SIGKILLed starter"
+        time.sleep(0.05)
+    for path in sockets:  # SeaweedFS's own, in /tmp: a killed weed cannot remove them
+        Path(path).unlink(missing_ok=True)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"

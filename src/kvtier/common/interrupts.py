@@ -1,4 +1,4 @@
-"""Cleanup that an interrupt cannot cut short.
+"""Cleanup that an interrupt cannot cut short, and helpers that die with their starter.
 
 Ctrl-C or SIGTERM arriving while kvtier removes what it made (a worker's socket, a launch
 directory, a temporary store) used to stop the removal half way and leave the rest behind.
@@ -10,12 +10,21 @@ interrupt still ends the program within about a second.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: SIGKILL this child when the thread that started it exits (Linux), so a
+    helper server (a Mooncake master, an S3 server) never outlives a SIGKILLed starter."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ node by the bind guard (``kvtier.common.bindguard``).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import selectors
 import shutil
@@ -26,17 +25,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvtier.common import bindguard
+from kvtier.common.interrupts import die_with_parent
 from kvtier.errors import StorageError, StorageUnavailable
 from kvtier.storage.mooncake.config import BIND_ADDRESS_ENV, probe
 
-_PR_SET_PDEATHSIG = 1
 LIBIBVERBS_HINT = "libibverbs.so.1 is missing: apt-get install -y libibverbs1"
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the thread that started it exits (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def find_master_binary() -> str:
@@ -134,7 +127,7 @@ class LocalMaster:
             stderr=self._log,
             env=_guarded_environment(self.host),
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -216,7 +209,7 @@ class LocalStoreNode:
             stderr=self._log,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         ready = _read_line(self.process, timeout_s)
         if ready.strip() != "ready":

