@@ -29,8 +29,9 @@ MIN_KEY_BYTES = 16
 MAX_KEY_FILE_BYTES = 4096
 
 
-def read_key(path: str | Path, field: str = "auth_key_file") -> bytes:
-    """The secret in ``path``: a regular file of this user, no group/other access, hex."""
+def read_private_file(path: str | Path, field: str, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of ``path``, checked on the descriptor: a regular file (no link
+    followed, no FIFO waited on) of this user with no group/other access (a secret)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -39,9 +40,15 @@ def read_key(path: str | Path, field: str = "auth_key_file") -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ConfigError(field, f"{path} must be a regular file of this user with mode 0600")
-        text = os.read(fd, MAX_KEY_FILE_BYTES).decode("ascii", errors="replace").strip()
+        return os.read(fd, max_bytes)
     finally:
         os.close(fd)
+
+
+def read_key(path: str | Path, field: str = "auth_key_file") -> bytes:
+    """The secret in ``path``: a regular file of this user, no group/other access, hex."""
+    raw = read_private_file(path, field, MAX_KEY_FILE_BYTES)
+    text = raw.decode("ascii", errors="replace").strip()
     try:
         key = bytes.fromhex(text)
     except ValueError:

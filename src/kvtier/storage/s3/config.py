@@ -14,7 +14,6 @@ from __future__ import annotations
 import configparser
 import ipaddress
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 
 from kvtier.common.config_sources import positive, refuse_unknown
 from kvtier.errors import ConfigError
+from kvtier.transport.auth import read_private_file
 
 OPTIONS = (
     "backend",
@@ -136,17 +136,8 @@ class S3Config:
 def read_credentials(path: str, profile: str = "default") -> Credentials:
     """The keys in ``path``: a regular file of this user with no group/other access."""
     field_name = "storage.credentials_file"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(field_name, f"cannot open {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ConfigError(field_name, f"{path} must be a regular file of this user, mode 0600")
-        text = os.read(fd, MAX_CREDENTIALS_FILE_BYTES).decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
+    raw = read_private_file(path, field_name, MAX_CREDENTIALS_FILE_BYTES)
+    text = raw.decode("utf-8", errors="replace")
     parser = configparser.ConfigParser(interpolation=None)
     try:
         parser.read_string(text if text.lstrip().startswith("[") else f"[{profile}]\n{text}")
