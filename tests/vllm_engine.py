@@ -338,7 +338,8 @@ def scenario_s3_outage(args: dict) -> None:
         emit("first", **generate(llm, prompts()))
         reset(llm)
         emit("hits", **generate(llm, prompts()))
-        emit("s3_objects_before", n=len(_s3_objects(server)))
+        before = len(_s3_objects(server))
+        emit("s3_objects_before", n=before)
         server.kill()
         reset(llm)
         emit("s3_down", **generate(llm, prompts() + prompts(2, 300, 800)))
@@ -347,7 +348,7 @@ def scenario_s3_outage(args: dict) -> None:
         reset(llm)
         emit("s3_back", **generate(llm, prompts() + prompts(2, 300, 900)))  # new full blocks
         deadline = time.monotonic() + 60
-        while len(_s3_objects(server)) <= len(_s3_objects_seen) and time.monotonic() < deadline:
+        while len(_s3_objects(server)) <= before and time.monotonic() < deadline:
             time.sleep(0.2)
         emit("s3_objects_after", n=len(_s3_objects(server)))
     finally:
@@ -355,16 +356,10 @@ def scenario_s3_outage(args: dict) -> None:
         server.stop()
 
 
-_s3_objects_seen: list = []
-
-
 def _s3_objects(server) -> list:
     import obstore
 
-    names = [m["path"] for page in obstore.list(server.client("kvtier-engine")) for m in page]
-    if not _s3_objects_seen:
-        _s3_objects_seen.extend(names)
-    return names
+    return [m["path"] for page in obstore.list(server.client("kvtier-engine")) for m in page]
 
 
 def scenario_abort(args: dict) -> None:
