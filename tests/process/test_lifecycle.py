@@ -180,7 +180,7 @@ def test_a_failed_start_is_reported_within_a_second_with_the_log(tmp_path, figur
     def watch_rank1() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            pid = _find_process(instance, "rank1.yaml")
+            pid = _find_process(instance, ":rank1")
             if pid is not None:
                 while _alive(pid):
                     time.sleep(0.005)

@@ -10,10 +10,13 @@ those cases skip with that reason. A parent writable by others runs as any user.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +178,133 @@ def test_a_tmpdir_others_may_rename_in_is_refused_for_sockets_and_launches(
     assert list(open_tmp.iterdir()) == []
     os.chmod(open_tmp, 0o1777)  # as /tmp is: taken
     assert default_socket_dir().parent == open_tmp
+
+
+# ---- round 5: write access the mode bits alone do not show ---------------------------------------
+
+ACL_ACCESS, ACL_DEFAULT = "system.posix_acl_access", "system.posix_acl_default"
+
+
+def _set_acl(path: Path, which: str, named_users: dict[int, int], group: int = 5) -> None:
+    """What ``setfacl -m u:UID:PERM`` leaves (owner rwx, group ``group``, mask rwx, others
+    r-x), written as the kernel's xattr so that the test needs no ``acl`` package."""
+    entries = [(0x01, 7, 0xFFFFFFFF)]
+    entries += [(0x02, perm, uid) for uid, perm in named_users.items()]
+    entries += [(0x04, group, 0xFFFFFFFF), (0x10, 7, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)]
+    data = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    os.setxattr(path, which, data)
+
+
+def _as_attacker(action: Callable[[], object], gid: int = ATTACKER) -> bool:
+    """Whether ``action`` succeeded when run by uid 12345 with primary group ``gid`` and no
+    other group (in a forked child: this Python lives under root's 0700 home)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(ATTACKER)
+            action()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def test_a_directory_another_user_may_write_through_an_acl_is_refused(sticky) -> None:
+    """Reproduced before the guard: ``setfacl -m u:12345:rwx`` on a root-owned 0775 directory
+    passed the walk as a store root, a log-dir parent and TMPDIR (the group bits show the ACL's
+    mask, and root's group had no listed member); uid 12345 could rename what kvtier made."""
+    _needs_root()
+    from kvtier.common.user_dirs import check_parent_directory
+    from kvtier.engine.client import Client
+    from kvtier.layout.spec import KVCacheSpec
+
+    shared = sticky / "acl"
+    shared.mkdir(mode=0o755)
+    _set_acl(shared, ACL_ACCESS, {ATTACKER: 7})
+    assert _as_attacker(lambda: open(shared / "planted", "w").close())  # the ACL lets it write
+    os.unlink(shared / "planted")
+    through_acl = f"uid {ATTACKER} through an ACL"
+    with pytest.raises(ConfigError, match=f"storage.root: refusing .*{through_acl}"):
+        FileStore(SPEC, {"root": shared})
+    with pytest.raises(ConfigError, match=f"TMPDIR: refusing .*{through_acl} without the sticky"):
+        check_parent_directory(shared, "TMPDIR")
+    spec = KVCacheSpec(num_layers=1, num_blocks=4, num_kv_heads=1, block_size=16, head_dim=8)
+    with pytest.raises(ConfigError, match=f"log_dir: refusing .*{through_acl}"):
+        Client.launch(spec, 1, {"backend": "memory"}, log_dir=shared / "logs")
+    assert list(shared.iterdir()) == []
+
+    # A group store may let its own group write, never a named other user.
+    group_store = sticky / "group-store"
+    group_store.mkdir(mode=0o700)
+    os.chmod(group_store, 0o2770)
+    _set_acl(group_store, ACL_ACCESS, {ATTACKER: 7}, group=7)
+    with pytest.raises(ConfigError, match=through_acl):
+        FileStore(SPEC, {"root": group_store, "permissions": "group"})
+    _set_acl(group_store, ACL_ACCESS, {}, group=7)  # mask and group only: the store's sharing
+    with FileStore(SPEC, {"root": group_store, "permissions": "group"}):
+        pass
+
+    # A default ACL hands the attacker write on everything made inside.
+    inherits = sticky / "inherits"
+    inherits.mkdir(mode=0o700)
+    _set_acl(inherits, ACL_DEFAULT, {ATTACKER: 7})
+    with pytest.raises(ConfigError, match=f"default ACL that lets uid {ATTACKER}"):
+        FileStore(SPEC, {"root": inherits})
+    assert list(inherits.iterdir()) == []
+
+
+def test_a_directory_writable_by_a_primary_group_others_share_is_refused(
+    sticky, monkeypatch
+) -> None:
+    """Accounts that share a primary gid are not listed in /etc/group (``nobody``, ``sync`` and
+    ``_apt`` share 65534 on Debian). Reproduced before the guard: a 0775 directory of the
+    victim's primary group passed as TMPDIR, and an account of that gid renamed the launch
+    directory away after its config was written and put its own in place: the worker ran the
+    attacker's config. Here the victim is root (gid 0, no listed member) and the attacker uid
+    12345 has primary gid 0."""
+    _needs_root()
+    import tempfile as tempfile_module
+
+    from kvtier.engine import launcher
+    from kvtier.worker.config import default_socket_dir
+
+    team = sticky / "team"
+    team.mkdir()
+    os.chmod(team, 0o775)
+    ours = team / "ours"
+    ours.mkdir(mode=0o700)
+    assert _as_attacker(lambda: os.rename(ours, team / "gone"), gid=0)  # what root made, moved
+    os.rmdir(team / "gone")
+    group = re.escape("its group root (gid 0)")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(team))
+    monkeypatch.setattr(tempfile_module, "tempdir", None)  # read TMPDIR again
+    with pytest.raises(ConfigError, match=f"TMPDIR: refusing .*{group} without the sticky bit"):
+        launcher._private_directory("attacked")
+    with pytest.raises(ConfigError, match=f"TMPDIR: refusing .*{group}"):
+        default_socket_dir()
+    with pytest.raises(ConfigError, match=f"storage.root: refusing .*{group}"):
+        FileStore(SPEC, {"root": team})
+    assert list(team.iterdir()) == []
+    os.chmod(team, 0o755)  # the group may no longer write: taken
+    with FileStore(SPEC, {"root": team / "kv"}):
+        pass
+
+
+def test_a_launched_worker_reads_its_config_from_its_launcher_not_a_file(tmp_path) -> None:
+    """Defence in depth for the swap above: the config never lies in a directory, so nothing
+    renamed in one can replace it; the worker's command line says ``--config -``."""
+    from kvtier.engine.client import Client
+    from kvtier.layout.spec import KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=1, num_blocks=4, num_kv_heads=1, block_size=16, head_dim=8)
+    memory = {"backend": "memory"}
+    with Client.launch(spec, 1, memory, device_cache_mode="create", log_dir=tmp_path) as client:
+        launch = client._launch
+        assert launch is not None and launch.directory is not None
+        assert sorted(p.name for p in launch.directory.iterdir()) == [".owner.lock"]
+        cmdline = Path(f"/proc/{launch.processes[0].pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[cmdline.index(b"--config") + 1] == b"-"
+        assert client.ping() > 0

@@ -9,8 +9,14 @@ opened or made:
 
 - a directory must belong to this user or root (a shared store's root and its parents may
   instead belong to a group of this user, the store's documented sharing);
+- "others may write" is read from the mode bits *and* the POSIX ACL on the descriptor (a named
+  user, or a group not shared on purpose, that the ACL mask lets write); group write counts as
+  others' write except on a group store's path: a user's primary group is never trusted, since
+  accounts sharing a primary gid are not listed in ``/etc/group`` (``nobody``, ``sync`` and
+  ``_apt`` share 65534 on Debian);
 - one that others may write to must have the sticky bit (``/tmp``), so that nobody can rename
-  what is inside; the final directory must not be writable by others at all;
+  what is inside; the final directory must not be writable by others at all, nor hand others
+  write on what is made in it (a default ACL);
 - a symbolic link is followed only if this user or root made it.
 
 Nothing is read or written inside a directory before it passed.
@@ -23,12 +29,17 @@ import grp
 import os
 import pwd
 import stat
+import struct
 from pathlib import Path
 
 from kvtier.errors import ConfigError
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_LINKS = 40  # Linux's own bound on links followed while resolving one path
+ACL_ACCESS, ACL_DEFAULT = "system.posix_acl_access", "system.posix_acl_default"
+# Tags of a POSIX ACL entry as the kernel stores it in the xattr (linux/posix_acl_xattr.h).
+ACL_USER, ACL_GROUP_OBJ, ACL_GROUP, ACL_MASK = 0x02, 0x04, 0x08, 0x10
+ACL_WRITE = 0x02
 
 
 def open_user_directory(
@@ -129,16 +140,42 @@ class _Checker:
                 f"belongs to {_user(st.st_uid)}, not to you"
                 + (" (another user made it first and decides what it holds)" if last else ""),
             )
-        others_write = mode & 0o002
-        group_write = mode & 0o020 and not self._trusted_group(st.st_gid)
-        if last and (others_write or (group_write and not self.group_shared)):
-            self._refuse(at, f"is writable by {'others' if others_write else 'its group'}")
-        if not last and (others_write or group_write) and not mode & stat.S_ISVTX:
+        writers = self._writers(fd, st, ACL_ACCESS)
+        if last and writers:
+            self._refuse(at, f"is writable by {writers}")
+        if not last and writers and not mode & stat.S_ISVTX:
             self._refuse(
                 at,
-                f"is writable by {'others' if others_write else 'its group'} without the "
-                "sticky bit (anyone may rename what is inside)",
+                f"is writable by {writers} without the sticky bit (anyone may rename what is "
+                "inside)",
             )
+        if last and (inherited := self._writers(fd, st, ACL_DEFAULT)):
+            self._refuse(at, f"has a default ACL that lets {inherited} write what is made in it")
+
+    def _writers(self, fd: int, st: os.stat_result, which: str) -> str:
+        """Who other than this user (and a group store's own groups) may write to the directory
+        (``which``: its access ACL and mode bits) or what is made in it (its default ACL), in
+        words; empty when nobody."""
+        entries = _acl_entries(fd, which)
+        if which == ACL_DEFAULT and not entries:
+            return ""
+        mask = next((perm for tag, perm, _ in entries if tag == ACL_MASK), None)
+        if which == ACL_ACCESS and st.st_mode & 0o002:
+            return "others"  # everyone: naming some of them would add nothing
+        found = []
+        group_perm = next((p for t, p, _ in entries if t == ACL_GROUP_OBJ), None)
+        if group_perm is None:  # no ACL: the group bits are the owning group's
+            group_perm = (st.st_mode >> 3) & 0o7
+        if _effective(group_perm, mask) and not self._trusted_group(st.st_gid):
+            found.append(f"its group {_group(st.st_gid)}")
+        for tag, perm, qualifier in entries:
+            if not _effective(perm, mask):
+                continue
+            if tag == ACL_USER and qualifier not in (self.uid, 0):
+                found.append(f"{_user(qualifier)} through an ACL")
+            elif tag == ACL_GROUP and not self._trusted_group(qualifier):
+                found.append(f"group {_group(qualifier)} through an ACL")
+        return ", ".join(found)
 
     def check_link(self, st: os.stat_result, at: Path, links: int) -> None:
         if links > MAX_LINKS:
@@ -147,18 +184,10 @@ class _Checker:
             self._refuse(at, f"is a symbolic link made by {_user(st.st_uid)}")
 
     def _trusted_group(self, gid: int) -> bool:
-        """A group of this user's with no other member (a user private group), or any group of
-        this user's for a store shared with its group on purpose."""
-        if gid not in self.groups:
-            return False
-        if self.group_shared:
-            return True
-        try:
-            group = grp.getgrgid(gid)
-            me = pwd.getpwuid(self.uid)
-        except KeyError:
-            return False
-        return gid == me.pw_gid and set(group.gr_mem) <= {me.pw_name}
+        """A group allowed to write: one of this user's, on a store shared with its group on
+        purpose. Never otherwise, not even a primary group with no listed member: accounts
+        whose primary gid it is are not listed in /etc/group."""
+        return self.group_shared and gid in self.groups
 
     def _refuse(self, at: Path, why: str) -> None:
         where = "" if at == self.wanted else f" (on the way to {self.wanted})"
@@ -174,3 +203,28 @@ def _user(uid: int) -> str:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _effective(perm: int, mask: int | None) -> bool:
+    return bool(perm & ACL_WRITE and (mask is None or mask & ACL_WRITE))
+
+
+def _acl_entries(fd: int, which: str) -> list[tuple[int, int, int]]:
+    """The entries (tag, permissions, uid or gid) of the directory's POSIX ACL ``which``; none
+    when it has no extended ACL or the filesystem keeps none."""
+    try:
+        raw = os.getxattr(fd, which)
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return []
+        raise
+    if len(raw) < 4 or (len(raw) - 4) % 8 or struct.unpack_from("<I", raw)[0] != 2:
+        raise OSError(errno.EINVAL, f"an ACL in an unknown format ({len(raw)} bytes)")
+    return [struct.unpack_from("<HHI", raw, offset) for offset in range(4, len(raw), 8)]

@@ -1,7 +1,8 @@
 """Start ``kvtier serve`` processes for a Client, and clean up after launchers that died.
 
-Each launch writes one YAML config per rank into a private directory (0700) that the launcher
-holds a lock on (``.owner.lock``) for as long as its client lives; the workers log there too.
+Each worker reads its YAML config on standard input. A launch makes a private directory (0700)
+that the launcher holds a lock on (``.owner.lock``) for as long as its client lives; the
+workers log there unless ``log_dir`` says otherwise.
 A directory whose lock can be taken belongs to a launcher that died (SIGKILL, OOM): the next
 launch on the machine removes it (``kvtier.worker.orphans.reclaim_launch_dirs``).
 
@@ -16,6 +17,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -176,21 +178,19 @@ def start_workers(
         launch.directory, launch.lock_fd = _private_directory(configs[0].instance_id)
     try:
         for cfg in configs:
-            path = launch.directory / f"rank{cfg.rank}.yaml"
-            path.write_text(yaml.safe_dump(cfg.to_dict()))
             log_path = Path(log_dir or launch.directory) / f"rank{cfg.rank}.log"
-            with open(log_path, "ab") as out:
-                launch.processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", SERVE_COMMAND, "serve", "--config-is-complete"]
-                        + ["--config", str(path)],
-                        stdout=out,
-                        stderr=out,
-                        stdin=subprocess.DEVNULL,
-                        env=_environment(cfg),
-                    )
+            with _open_log(log_path) as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-c", SERVE_COMMAND, "serve", "--config-is-complete"]
+                    + ["--config", "-", "--launched-as", f"{cfg.instance_id}:rank{cfg.rank}"],
+                    stdout=out,
+                    stderr=out,
+                    stdin=subprocess.PIPE,
+                    env=_environment(cfg),
                 )
+            launch.processes.append(process)
             launch.log_paths.append(log_path)
+            _hand_config(process, cfg)
         if reaper_too:
             try:
                 launch.reaper_pid = reaper.start(os.getpid(), [p.pid for p in launch.processes])
@@ -226,6 +226,35 @@ def end_worker(process: subprocess.Popen, endpoint: str, wait_s: float) -> None:
             process.kill()
             process.wait()
     reclaim_endpoint(endpoint)  # a killed worker's; never another live worker's
+
+
+def _open_log(path: Path) -> Any:
+    """A worker's log, opened in a directory already walked (``make_user_directory``, or the
+    launch's own 0700 one): never through a link planted there, never another user's file."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ConfigError("log_dir", f"{path} is not a file of yours: remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "ab")
+
+
+def _hand_config(process: subprocess.Popen, config: WorkerConfig) -> None:
+    """The worker reads its whole config on standard input (``--config -``): no file in a
+    directory that another user might rename and replace between the write and the read."""
+    assert process.stdin is not None
+    try:
+        process.stdin.write(yaml.safe_dump(config.to_dict()).encode())
+    except BrokenPipeError:
+        pass  # it died before reading: its exit and log tell why (the launch waits for it)
+    finally:
+        try:
+            process.stdin.close()
+        except BrokenPipeError:
+            pass
 
 
 def _private_directory(instance_id: str) -> tuple[Path, int]:

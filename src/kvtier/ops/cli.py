@@ -73,9 +73,15 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         description="Run one worker. Settings come from --config YAML, then KVTIER_<FIELD> "
         "variables, then these flags (flags win). The old engine's flags are accepted too.",
     )
-    serve.add_argument("--config", help="YAML file with worker settings (see docs/operating.md)")
-    # Set by kvtier.engine.launcher: its YAML is the whole resolved config (environment read).
+    serve.add_argument(
+        "--config",
+        help="YAML file with worker settings (see docs/operating.md); - reads it from standard "
+        "input",
+    )
+    # Set by kvtier.engine.launcher: its YAML (on standard input) is the whole resolved config
+    # (environment read); --launched-as names the instance and rank for ps and the tests.
     serve.add_argument("--config-is-complete", action="store_true", help=argparse.SUPPRESS)
+    serve.add_argument("--launched-as", help=argparse.SUPPRESS)
     serve.add_argument("--rank", type=integer(0))
     serve.add_argument("--world-size", "--mp_num", dest="world_size", type=COUNT)
     serve.add_argument("--instance-id")

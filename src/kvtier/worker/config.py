@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -224,15 +225,27 @@ def resolve(sources: Sequence[Source]) -> WorkerConfig:
         raise merged.explain(e) from None
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a worker's settings are a few KiB; a spec with 10k layers fits
+
+
 def yaml_source(path: str | Path) -> Source:
+    """The settings in the YAML file ``path``, or on standard input for ``-`` (how a launcher
+    hands a worker its config: no file another user could swap in a shared directory)."""
+    name = "standard input" if str(path) == "-" else str(path)
     try:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+        if str(path) == "-":
+            text = sys.stdin.buffer.read(MAX_CONFIG_BYTES + 1)
+        else:
+            with open(path, "rb") as f:
+                text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError("config", f"{name} holds over {MAX_CONFIG_BYTES} bytes")
+        loaded = yaml.safe_load(text) or {}
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError("config", f"cannot read {path}: {e}") from None
+        raise ConfigError("config", f"cannot read {name}: {e}") from None
     if not isinstance(loaded, Mapping):
-        raise ConfigError("config", f"{path} must hold a mapping")
-    return Source(str(path), loaded)
+        raise ConfigError("config", f"{name} must hold a mapping")
+    return Source(name, loaded)
 
 
 def _flag_labels(overrides: Mapping[str, Any]) -> dict[str, str]:
