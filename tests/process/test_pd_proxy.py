@@ -10,52 +10,11 @@ import socket
 import struct
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from kvtier.ops import pd_proxy
-
-
-class Upstream(ThreadingHTTPServer):
-    """Records every body; answers a completion as a server would (streamed when asked)."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.bodies = name, []
-        super().__init__(("127.0.0.1", 0), _Answer)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Answer(BaseHTTPRequestHandler):
-    server: Upstream
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.bodies.append(body)
-        if body.get("stream"):
-            chunks = [b'data: {"n": %d}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
-        else:
-            chunks = [json.dumps({"from": self.server.name}).encode()]
-        self.send_response(200)
-        self.send_header(
-            "Content-Type", "text/event-stream" if body.get("stream") else "application/json"
-        )
-        self.send_header("Content-Length", str(sum(map(len, chunks))))
-        self.end_headers()
-        for chunk in chunks:
-            self.wfile.write(chunk)
+from pd_upstream import Upstream, post
 
 
 @pytest.fixture
@@ -66,16 +25,6 @@ def pair():
     for server in (proxy, producer, consumer):
         server.shutdown()
         server.server_close()
-
-
-def post(proxy, path: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=timeout_s)
-    try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
-        answer = conn.getresponse()
-        return answer.status, answer.read()
-    finally:
-        conn.close()
 
 
 def test_the_producer_prefills_one_token_and_the_consumer_answers(pair) -> None:
@@ -161,10 +110,12 @@ def _completion(proxy, timeout_s: float = 10.0) -> int:
 
 @pytest.fixture
 def small_proxy(monkeypatch):
-    """A proxy with 4 slots, 1.5 s deadlines and 2 MiB for bodies: the attacks below, quickly."""
+    """A proxy with 4 slots, 1.5 s deadlines and 2 MiB for bodies (1 MiB a peer): the attacks
+    below, quickly."""
     monkeypatch.setattr(pd_proxy, "REQUEST_DEADLINE_S", 1.5)
-    monkeypatch.setattr(pd_proxy, "BODY_DEADLINE_S", 1.5)
+    monkeypatch.setattr(pd_proxy, "BODY_GRACE_S", 1.5)
     monkeypatch.setattr(pd_proxy, "MAX_BUFFERED_BYTES", 2 << 20)
+    monkeypatch.setattr(pd_proxy, "PARSE_FACTOR", 1)
     producer, consumer = Upstream("producer"), Upstream("consumer")
     proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 10.0, max_connections=4)
     yield proxy
@@ -175,26 +126,23 @@ def small_proxy(monkeypatch):
 
 def test_idle_and_many_connections_cannot_pile_up_threads_or_hold_the_proxy(small_proxy) -> None:
     """Attack: one thread per connection, unbounded and without a timeout, let any local user
-    pile up threads in the proxy with idle connections and keep every client out."""
+    pile up threads in the proxy with idle connections and keep every client out. Now 40 idle
+    connections only displace each other: threads stay bounded, each idle one is closed, and a
+    client is served while they are held."""
     proxy = small_proxy
     base = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", proxy.server_address[1])) for _ in range(40)]
     try:
-        answers = []
-        for sock in idle:  # each is refused (503) at once or cut off at the request deadline
+        assert _completion(proxy) == 200  # served at once, not after the idle ones' deadline
+        for sock in idle:  # displaced by a newer one, or cut off at the request deadline
             sock.settimeout(4 * pd_proxy.REQUEST_DEADLINE_S + 10)
-            answers.append(sock.recv(4096))
-            assert threading.active_count() <= base + proxy.max_connections
-        refused = [a for a in answers if a]
-        assert len(refused) >= 40 - 4 * proxy.max_connections, answers
-        assert all(a.startswith(b"HTTP/1.1 503 ") and b"too many connections" in a for a in refused)
-        assert set(answers) - set(refused) == {b""}  # the others: closed without a word
-        # A cut-off connection's handler frees its slot just after the peer sees the close
-        # (under load, a while after): wait for every slot, then the proxy serves again.
-        for _ in range(proxy.max_connections):
-            assert proxy.slots.acquire(timeout=10), "a cut-off connection kept its slot"
-        for _ in range(proxy.max_connections):
-            proxy.slots.release()
+            answer = sock.recv(4096)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 503 "), answer
+            assert threading.active_count() <= base + 2 * proxy.max_connections
+        deadline = time.monotonic() + 10
+        while proxy.connections:  # a cut-off handler ends just after its peer sees the close
+            assert time.monotonic() < deadline, "a cut-off connection kept its handler"
+            time.sleep(0.01)
         assert _completion(proxy) == 200
     finally:
         for sock in idle:
@@ -262,34 +210,65 @@ def _whole_response(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def test_bodies_are_bounded_before_a_byte_of_them_is_buffered(small_proxy) -> None:
-    """Attack: bodies claimed by ``Content-Length`` and never sent. One claim over the body
-    bound is a 413 and the sum of claims over the buffer bound a 503, before reading any."""
+def test_bodies_are_reserved_as_they_arrive_and_a_peer_holds_at_most_its_share(
+    small_proxy,
+) -> None:
+    """Attack: bodies claimed by ``Content-Length`` and never sent reserved the whole claim for
+    the 60 s body deadline: 8 claims of 64 MiB filled the buffer and every POST got 503. Now a
+    claim over the body bound is a 413, a claim reserves nothing, bytes are reserved as they
+    arrive, a peer holds at most half the buffer, and a body slower than the rate floor is cut
+    off and its bytes released."""
     proxy = small_proxy
     port = proxy.server_address[1]
     huge = socket.create_connection(("127.0.0.1", port), timeout=5)
     huge.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 10000000000\r\n\r\n")
     assert huge.recv(4096).startswith(b"HTTP/1.1 413 ")
     huge.close()
-    held = []
-    for _ in range(2):  # 2 x 1 MiB claimed: the 2 MiB buffer bound is reached
+    claims = []
+    for _ in range(2):  # claimed, never sent: nothing is held for them
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1048576\r\n\r\n{")
-        held.append(s)
-    deadline = time.monotonic() + 10
-    while proxy.buffered_bytes < 2 << 20:  # both claims are in
-        assert time.monotonic() < deadline, proxy.buffered_bytes
-        time.sleep(0.01)
-    assert proxy.buffered_bytes == 2 << 20
-    third = socket.create_connection(("127.0.0.1", port), timeout=5)
-    third.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1048576\r\n\r\n")
-    answer = _whole_response(third)  # headers and body may come in separate segments
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 16000000\r\n\r\n{")
+        claims.append(s)
+    time.sleep(0.3)
+    assert proxy.buffered_bytes <= 2
+    assert _completion(proxy) == 200
+    sent = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sent.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1048577\r\n\r\n")
+    sent.sendall(b" " * (1 << 20))  # one byte more than a peer's share: refused as it arrives
+    answer = _whole_response(sent)
     assert answer.startswith(b"HTTP/1.1 503 ") and b"too many bodies" in answer
-    third.close()
-    deadline = time.monotonic() + 4 * pd_proxy.BODY_DEADLINE_S
-    while proxy.buffered_bytes:  # the unsent bodies are cut off at their deadline
+    sent.close()
+    deadline = time.monotonic() + 4 * (pd_proxy.BODY_GRACE_S + 16)
+    while proxy.buffered_bytes:  # the claims are cut off at their deadlines
         assert time.monotonic() < deadline, "the claimed bodies were never released"
         time.sleep(0.1)
-    for s in held:
+    for s in claims:
+        assert s.recv(4096) == b""
         s.close()
     assert _completion(proxy) == 200
+
+
+def test_only_completions_models_and_health_are_relayed(pair) -> None:
+    """Attack: the proxy relayed any method and path, vLLM's ``/sleep``,
+    ``/reset_prefix_cache`` and ``/v1/load_lora_adapter`` included."""
+    proxy, producer, consumer = pair
+    for path in ("/sleep", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/completions/x"):
+        status, body = post(proxy, path, b"{}")
+        assert status == 404 and b"serves only" in body, (path, body)
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=10)
+    for path, expected in (("/is_sleeping", 404), ("/v1/models", 200), ("/metrics", 404)):
+        conn.request("GET", path)
+        answer = conn.getresponse()
+        answer.read()
+        assert answer.status == expected, path
+    conn.close()
+    assert producer.bodies == [] and consumer.bodies == []
+
+
+def test_a_non_loopback_host_is_warned_about() -> None:
+    from kvtier.ops.pd_proxy_cli import exposure_warning
+
+    assert exposure_warning("127.0.0.1") is None and exposure_warning("::1") is None
+    assert exposure_warning("localhost") is None
+    warning = exposure_warning("0.0.0.0")
+    assert warning is not None and "no authentication" in warning and "--host" in warning

@@ -34,7 +34,7 @@ from kvtier.ops.cli_args import (
     positive_number,
 )
 from kvtier.ops.demo_cli import add_demo
-from kvtier.ops.pd_proxy import add_pd_proxy
+from kvtier.ops.pd_proxy_cli import add_pd_proxy
 from kvtier.ops.status import add_status
 from kvtier.ops.store_cli import add_store
 from kvtier.ops.table import printable

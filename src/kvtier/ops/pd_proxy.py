@@ -7,13 +7,17 @@ answers only once they are stored — with ``max_tokens: 1``; then, unchanged, t
 the answer, streamed back as the consumer sends it. A producer that fails or times out costs
 the consumer a recompute, never the request: the consumer's answer is always what is returned.
 
-The proxy listens only where it is told (default 127.0.0.1) and bounds what clients can hold
-(``kvtier.common.http_bounds``): at most ``--max-connections`` at once (one more is answered 503), a
-request's headers within ``REQUEST_DEADLINE_S`` (also the idle wait of a kept-alive
-connection), its body within ``BODY_DEADLINE_S``, each body at most ``MAX_BODY_BYTES`` and all
-bodies held at once at most ``MAX_BUFFERED_BYTES`` (checked on ``Content-Length``, before any
-byte is buffered), every read or write ``IO_TIMEOUT_S``, and every upstream wait
-``--timeout-s``.
+The proxy listens only where it is told (default 127.0.0.1; another address gets a warning:
+it has no authentication) and relays only the OpenAI completion routes, ``/v1/models`` and
+``/health`` — never vLLM's admin routes (``/sleep``, ``/reset_prefix_cache``, LoRA loading). It
+bounds what clients can hold (``kvtier.common.http_bounds``): at most ``--max-connections``
+served at once, and a peer (a local user, or a remote address) that fills them with idle
+connections only displaces its own; a request's headers within ``REQUEST_DEADLINE_S`` (also the
+idle wait of a kept-alive connection); a body at most ``MAX_BODY_BYTES``, arriving at
+``BODY_MIN_RATE`` or better; bodies and their parsed forms held at once at most
+``MAX_BUFFERED_BYTES``, reserved as their bytes arrive (a claimed ``Content-Length`` reserves
+nothing), a peer at most half of it; every read or write ``IO_TIMEOUT_S``, and every upstream
+wait ``--timeout-s``.
 """
 
 from __future__ import annotations
@@ -23,26 +27,30 @@ import json
 import logging
 import sys
 import threading
-import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.common.http_bounds import BoundedHandler, BoundedHTTPServer
-from kvtier.errors import ConfigError
-from kvtier.ops.cli_args import integer, positive_number
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20  # a 1M-token prompt as JSON token ids is about 8 MiB
-MAX_BUFFERED_BYTES = 512 << 20  # bodies held at once, all connections together
+# A 1M-token prompt as JSON token ids is about 8 MiB; as text, about 4 MiB.
+MAX_BODY_BYTES = 16 << 20
+MAX_BUFFERED_BYTES = 512 << 20  # bodies and their parsed forms, all connections together
+PEER_SHARE = 2  # a peer may hold 1/PEER_SHARE of MAX_BUFFERED_BYTES
+# A parsed JSON body's Python objects per byte of its JSON (measured: a 64 MiB body of token ids
+# took the proxy from 27 to 605 MiB).
+PARSE_FACTOR = 9
 MAX_CONNECTIONS = 256  # a benchmark client's concurrency fits; threads stay bounded
 # Longer than the keep-alive of common clients (aiohttp 15 s, httpx 5 s), so that a client
 # never reuses a connection the proxy is closing; short enough that idle peers free their slots.
 REQUEST_DEADLINE_S = 30.0
-BODY_DEADLINE_S = 60.0  # 64 MiB at about 1 MiB/s
+BODY_GRACE_S = 5.0  # a body's deadline: this, plus its length at BODY_MIN_RATE
+BODY_MIN_RATE = 1 << 20  # bytes a second: a loopback client sends a prompt at GB/s
 IO_TIMEOUT_S = 30.0  # one read from or write to a client (a stalled reader of a stream)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+GET_ROUTES = ("/v1/models", "/health")
 CHUNK_BYTES = 64 << 10
 
 
@@ -82,6 +90,7 @@ class Proxy(BoundedHTTPServer):
         self.counts = {"requests": 0, "prefill_failures": 0, "refused": 0}
         self.lock = threading.Lock()
         self.buffered_bytes = 0
+        self.held: dict[str, int] = {}  # bytes reserved, by peer
 
     def refuse_connection(self, request: Any) -> None:
         """One connection too many: told so (503) and closed, never queued."""
@@ -96,17 +105,26 @@ class Proxy(BoundedHTTPServer):
             pass
         self.shutdown_request(request)
 
-    def reserve(self, nbytes: int) -> bool:
-        """Room for a body of ``nbytes`` within ``MAX_BUFFERED_BYTES``; ``release`` it after."""
+    def reserve(self, peer: str, nbytes: int) -> bool:
+        """Room for ``nbytes`` more of ``peer``'s within ``MAX_BUFFERED_BYTES`` and its share
+        of it; ``release`` them after."""
         with self.lock:
-            if self.buffered_bytes + nbytes > MAX_BUFFERED_BYTES:
+            held = self.held.get(peer, 0)
+            if (
+                self.buffered_bytes + nbytes > MAX_BUFFERED_BYTES
+                or held + nbytes > MAX_BUFFERED_BYTES // PEER_SHARE
+            ):
                 return False
             self.buffered_bytes += nbytes
+            self.held[peer] = held + nbytes
             return True
 
-    def release(self, nbytes: int) -> None:
+    def release(self, peer: str, nbytes: int) -> None:
         with self.lock:
             self.buffered_bytes -= nbytes
+            left = self.held.pop(peer, 0) - nbytes
+            if left:
+                self.held[peer] = left
 
     def count(self, name: str) -> None:
         with self.lock:
@@ -136,10 +154,17 @@ class _Handler(BoundedHandler):
             self._reply(200 if ok else 503, {"producer_and_consumer": ok})
         elif self.path == "/stats":
             self._reply(200, dict(self.server.counts))
-        else:
+        elif self.path in GET_ROUTES:
             self._relay(self.server.consumer, "GET", None)
+        else:
+            self._not_relayed()
 
     def do_POST(self) -> None:  # noqa: N802
+        if self.path not in ROUTES:
+            self.server.unwatch(self.connection)
+            self.close_connection = True  # the body, if any, is never read
+            self._not_relayed()
+            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -150,24 +175,58 @@ class _Handler(BoundedHandler):
             self.close_connection = True  # the body, if any, is never read
             self._reply(status, {"error": f"a body of 1..{MAX_BODY_BYTES} bytes"})
             return
-        if not self.server.reserve(length):
-            self.server.unwatch(self.connection)
-            self.close_connection = True
-            self._reply(503, {"error": "kvtier pd-proxy holds too many bodies: retry later"})
+        peer = self.server.peer(self.connection)
+        body = self._read_body(peer, length)
+        if body is None:
             return
         try:
-            self.server.watch(self.connection, BODY_DEADLINE_S)
-            body = self.rfile.read(length)
-            self.server.unwatch(self.connection)
-            if len(body) < length:  # cut off at its deadline, or the client hung up
-                self.close_connection = True
-                return
-            self._forward(body)
+            self._forward(peer, body)
         finally:
-            self.server.release(length)
+            self.server.release(peer, len(body))
 
-    def _forward(self, body: bytes) -> None:
-        if self.path in ROUTES:
+    def _read_body(self, peer: str, length: int) -> bytearray | None:
+        """The body, its bytes reserved as they arrive; None (answered or cut off) when it does
+        not arrive by ``BODY_GRACE_S`` + its length at ``BODY_MIN_RATE``, or the bytes held are
+        at their bound."""
+        self.server.watch(self.connection, BODY_GRACE_S + length / BODY_MIN_RATE)
+        body = bytearray()
+        try:
+            while len(body) < length:
+                chunk = self.rfile.read1(min(CHUNK_BYTES, length - len(body)))
+                if not chunk:  # cut off at its deadline, or the client hung up
+                    break
+                if not self.server.reserve(peer, len(chunk)):
+                    self.server.unwatch(self.connection)
+                    self.close_connection = True
+                    self._reply(
+                        503, {"error": "kvtier pd-proxy holds too many bodies: retry later"}
+                    )
+                    break
+                body += chunk
+        except OSError:
+            pass
+        if len(body) == length:
+            self.server.unwatch(self.connection)
+            return body
+        self.close_connection = True
+        self.server.release(peer, len(body))
+        return None
+
+    def _too_many_bodies(self) -> None:
+        self.close_connection = True
+        self._reply(503, {"error": "kvtier pd-proxy holds too many bodies: retry later"})
+
+    def _not_relayed(self) -> None:
+        routes = ", ".join((*ROUTES, *GET_ROUTES, "/stats"))
+        self._reply(404, {"error": f"kvtier pd-proxy serves only {routes}"})
+
+    def _forward(self, peer: str, body: bytearray) -> None:
+        """The producer's prefill (from the parsed body, its memory reserved while it lives),
+        then the consumer's answer."""
+        if not self.server.reserve(peer, PARSE_FACTOR * len(body)):
+            self._too_many_bodies()
+            return
+        try:
             try:
                 request = json.loads(body)
                 if not isinstance(request, dict):
@@ -177,7 +236,10 @@ class _Handler(BoundedHandler):
                 return
             self.server.count("requests")
             self._prefill(request)
-        self._relay(self.server.consumer, "POST", body)
+            del request
+        finally:
+            self.server.release(peer, PARSE_FACTOR * len(body))
+        self._relay(self.server.consumer, "POST", bytes(body))
 
     def _upstreams(self) -> tuple[Upstream, Upstream]:
         return self.server.producer, self.server.consumer
@@ -262,57 +324,3 @@ def serve(
     )
     threading.Thread(target=proxy.serve_forever, name="pd-proxy", daemon=True).start()
     return proxy
-
-
-def add_pd_proxy(sub: Any, common: Any) -> None:
-    """``kvtier pd-proxy``'s options."""
-
-    p = sub.add_parser(
-        "pd-proxy",
-        parents=[common],
-        help="one endpoint for a prefill (kv_producer) and a decode (kv_consumer) vLLM server",
-        description=__doc__,
-    )
-    p.add_argument("--producer", required=True, help="the prefill server: http://HOST:PORT")
-    p.add_argument("--consumer", required=True, help="the decode server: http://HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1", help="listen here only")
-    p.add_argument("--port", type=integer(0, 65535), default=8000, help="0: a free port")
-    p.add_argument(
-        "--timeout-s",
-        type=positive_number,
-        default=600.0,
-        help="bound on each upstream wait (a long prompt's prefill on a busy CPU takes minutes)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=integer(1, 65536),
-        default=MAX_CONNECTIONS,
-        help="client connections served at once; one more is answered 503",
-    )
-    p.set_defaults(func=_run_proxy)
-
-
-def _run_proxy(args: Any) -> int:
-
-    try:
-        proxy = serve(
-            args.producer,
-            args.consumer,
-            args.host,
-            args.port,
-            args.timeout_s,
-            args.max_connections,
-        )
-    except ValueError as e:
-        raise ConfigError("producer/consumer", str(e)) from None
-    host, port = str(proxy.server_address[0]), proxy.server_address[1]
-    print(
-        f"kvtier pd-proxy on http://{host}:{port}: prefill {args.producer}, decode {args.consumer}",
-        flush=True,
-    )
-    try:
-        while True:
-            time.sleep(3600)
-    finally:
-        proxy.shutdown()
-        proxy.server_close()
