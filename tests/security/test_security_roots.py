@@ -9,6 +9,7 @@ those cases skip with that reason. A parent writable by others runs as any user.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import SPECS
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, StorageError
 from kvtier.layout.keys import KeyScheme, block_hashes
 from kvtier.memory.host import HostPool
 from kvtier.storage.file.store import FileStore
@@ -308,3 +309,61 @@ def test_a_launched_worker_reads_its_config_from_its_launcher_not_a_file(tmp_pat
         cmdline = Path(f"/proc/{launch.processes[0].pid}/cmdline").read_bytes().split(b"\0")
         assert cmdline[cmdline.index(b"--config") + 1] == b"-"
         assert client.ping() > 0
+
+
+# ---- operator tools: walked like the workers, removals relative to what was scanned -------------
+
+
+def _filled_store(root: Path, n: int) -> list[str]:
+    keys = _victims_keys(n)
+    with FileStore(SPEC, {"root": root}) as store, HostPool(SPEC, n) as pool:
+        assert store.put_from(keys, [pool.block(i) for i in range(n)]) == [True] * n
+    return keys
+
+
+def test_store_tools_refuse_a_root_another_user_controls(sticky) -> None:
+    """Reproduced before the guard: ``kvtier store verify|gc`` listed and unlinked by path on a
+    root uid 12345 owned, without the walk the workers use."""
+    _needs_root()
+    root = sticky / "kv"
+    _squat(root, _victims_keys(2))
+    before = _tree(root)
+    for command in (["verify", "--repair"], ["gc", "--older-than", "0s"], ["stats"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtier.ops.cli", "store", *command, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("kvtier: error: root: refusing ") and f"uid {ATTACKER}" in last
+        assert "Traceback" not in out.stderr
+    assert _tree(root) == before
+
+
+def test_a_fanout_swapped_for_a_link_after_the_scan_leads_no_removal_outside_the_store(
+    tmp_path,
+) -> None:
+    """Reproduced before the guard: once the scan passed a fan-out, it was swapped for a link
+    to another directory holding a file of an object's name, and ``verify --repair`` unlinked
+    ``root/objects/<fan>/<name>`` by path: the file outside the store. Now the removal is
+    relative to the fan-out directory the scan opened."""
+    from kvtier.storage.file.admin import StoreTree, remove
+
+    root = tmp_path / "kv"
+    _filled_store(root, 3)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with StoreTree(root) as tree:
+        objects = [o for o in tree.scan() if not o.foreign]
+        victim = objects[0]
+        fanout = victim.path.parent
+        (elsewhere / victim.path.name).write_bytes(b"not the store's")
+        fanout.rename(tmp_path / "moved-fanout")  # what the scan opened, moved away
+        fanout.symlink_to(elsewhere)  # and a link in its place
+        assert remove(victim)
+    assert (elsewhere / victim.path.name).read_bytes() == b"not the store's"
+    assert not (tmp_path / "moved-fanout" / victim.path.name).exists()  # the store's, removed
+    with pytest.raises(StorageError, match="refusing to remove"):
+        remove(dataclasses.replace(victim, foreign=True))

@@ -122,3 +122,22 @@ def test_events_go_only_to_a_publisher_bound_to_a_host_unless_asked(caplog) -> N
     assert "binds every interface" in caplog.text and "any_interface" in caplog.text
     assert publishing(config("tcp://*:5557"), "any_interface")
     assert not publishing(SimpleNamespace(kv_events_config=None), "auto")
+
+
+def test_a_loopback_port_for_kv_events_is_warned_about_and_ipc_is_not(caplog) -> None:
+    """A local user who binds the port first receives vLLM's events (token ids included in its
+    GPU-tier events); one who connects to the router's forges events. Round 5: said once, with
+    the remedy (an ipc:// path in a 0700 directory)."""
+
+    def config(endpoint: str) -> SimpleNamespace:
+        events = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+        return SimpleNamespace(kv_events_config=events)
+
+    with caplog.at_level(logging.WARNING):
+        assert publishing(config("tcp://127.0.0.1:5557"), "auto", warn=True)
+    assert "any local user can bind first" in caplog.text and "ipc://" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert publishing(config("ipc:///run/user/0/kv-events"), "auto", warn=True)
+        assert publishing(config("tcp://127.0.0.1:5557"), "auto")  # a worker side: no warning
+    assert caplog.text == ""

@@ -49,12 +49,14 @@ def open_user_directory(
     *,
     group_shared: bool = False,
     parent: bool = False,
+    make: bool = True,
 ) -> tuple[int, bool]:
     """A descriptor of the directory ``path`` (made with ``mode`` where missing, parents too),
     and whether its last component was made here. Raises ``ConfigError`` naming ``field`` when
     a component is controlled by another user (see the module's rules). ``parent``: ``path``
     is where kvtier makes its own private names (``TMPDIR``): it is checked as a parent (a
-    sticky ``/tmp`` is fine) and never made."""
+    sticky ``/tmp`` is fine) and never made. ``make=False``: a missing component is refused
+    (an existing store an operator's tool works on)."""
     wanted = Path(os.path.abspath(os.path.expanduser(path)))
     checker = _Checker(wanted, field, group_shared, parent)
     names = list(wanted.parts[1:])
@@ -69,7 +71,7 @@ def open_user_directory(
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
-                if parent:
+                if parent or not make:
                     raise ConfigError(field, f"{at / name} does not exist") from None
                 try:
                     os.mkdir(name, mode, dir_fd=fd)

@@ -119,9 +119,10 @@ class _FileTarget:
         from kvtier.storage import file_admin
 
         self.root, self.admin = root, file_admin
+        self.tree = file_admin.StoreTree(root)  # held open while the command runs
 
     def scan(self) -> list:
-        return list(self.admin.scan(self.root))
+        return list(self.tree.scan())
 
     def verify_all(self, objects: list, mac_key: bytes | None, progress) -> list:
         return self.admin.verify_all(objects, mac_key, progress)

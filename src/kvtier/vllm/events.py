@@ -18,7 +18,10 @@ the blocks the store removed (evicted, or all of them after a weight update: ``R
 Published only where vLLM's publisher does not listen on every interface: its default
 ``tcp://*:5557`` binds all of them, while a host endpoint (``tcp://127.0.0.1:5557``) makes it
 connect to the router listening there, and ``ipc://`` binds a socket file. ``kv_events`` in
-``kv_connector_extra_config`` (``auto`` | ``off`` | ``any_interface``) says otherwise.
+``kv_connector_extra_config`` (``auto`` | ``off`` | ``any_interface``) says otherwise. A TCP
+endpoint is warned about once: any local user can bind a loopback port before the router
+does (and read vLLM's own events, whose GPU-tier events carry token ids) or connect to the
+router's (and forge events); an ``ipc://`` path in a 0700 directory is for the owner only.
 """
 
 from __future__ import annotations
@@ -190,4 +193,13 @@ def publishing(vllm_config: Any, setting: str, warn: bool = False) -> bool:
             config.endpoint,
         )
         return False
+    if warn and str(config.endpoint).startswith("tcp://"):
+        log.warning(
+            "kvtier: vLLM's KV events go to %s, a TCP port any local user can bind first "
+            "(and then receive vLLM's events, token ids of its GPU blocks included) or connect "
+            "to (and send the router forged events): for a router on this host, prefer an "
+            "ipc:// endpoint in a directory only you can enter (for example "
+            "ipc://$XDG_RUNTIME_DIR/kv-events, 0700)",
+            config.endpoint,
+        )
     return True

@@ -1,5 +1,11 @@
 """Looking at and tidying a file store from outside: what ``kvtier store`` runs.
 
+The root is walked from ``/`` as the workers walk it (``kvtier.common.user_dirs``: a root or a
+directory on the way that another user controls is refused), and the store's directories are
+held open (``StoreTree``): every entry is listed, opened and unlinked relative to the descriptor
+of the directory it was found in, never by path, so that nothing renamed or linked after the
+scan leads a removal outside the store.
+
 Safe beside live workers: objects are read through their own descriptors (``O_NOFOLLOW``, no
 blocking, regular files only) and removed with one ``unlink`` each — a load that already opened
 the object reads it to the end, a later one misses. Nothing outside the store's own layout
@@ -27,6 +33,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.common.user_dirs import DIR_FLAGS, open_user_directory
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.keys import KeyParts, KeyScheme
 from kvtier.storage.file.dirs import TMP_NAME
@@ -42,6 +49,7 @@ from kvtier.storage.format import (
 OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
 FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
 UNKNOWN = "?"
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link or a FIFO
 READ_CHUNK = 8 << 20  # verification reads and hashes this much at a time, whatever the object
 # No KV block of any layout comes near this (a 128-token block of an 80-layer, 8-head bf16 model
 # is 42 MB): a header that claims more is corrupt, whatever the file's (sparse) size says.
@@ -60,6 +68,7 @@ class StoredObject:
     parts: KeyParts | None = None
     problem: str | None = None  # why it is corrupt (an object) or foreign (anything else)
     foreign: bool = False
+    dir_fd: int | None = None  # the directory it was listed in (a StoreTree's): opened from it
 
     @property
     def namespace(self) -> str:
@@ -74,43 +83,86 @@ class StoredObject:
         return self.header.fingerprint if self.header else UNKNOWN
 
 
-def objects_dir(root: str | Path) -> Path:
-    root = Path(root)
-    if not (root / "objects").is_dir() or (root / "objects").is_symlink():
-        raise StorageError(f"{root} is not a kvtier file store (no objects/ directory)")
-    return root / "objects"
+class StoreTree:
+    """A file store's root, walked as the workers walk it, and its directories held open until
+    ``close``: what is listed is opened and removed relative to them."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(os.path.abspath(os.path.expanduser(root)))
+        self._fds: list[int] = []
+        fd, _ = open_user_directory(self.root, 0o700, "root", group_shared=True, make=False)
+        self._fds.append(fd)
+        try:
+            self.objects_fd = self._open_dir(fd, "objects")
+        except OSError:
+            self.close()
+            raise StorageError(
+                f"{self.root} is not a kvtier file store (no objects/ directory)"
+            ) from None
+
+    def __enter__(self) -> StoreTree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+
+    def _open_dir(self, dir_fd: int, name: str) -> int:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)  # never through a link
+        self._fds.append(fd)
+        return fd
+
+    def scan(self) -> Iterator[StoredObject]:
+        """Every entry of the store's object directories, each object's header and key read."""
+        top = self.root / "objects"
+        for name in sorted(os.listdir(self.objects_fd)):
+            fanout = None
+            if FANOUT_NAME.fullmatch(name):
+                try:
+                    fanout = self._open_dir(self.objects_fd, name)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
+                        raise
+            if fanout is None:
+                yield _foreign(self.objects_fd, top / name, "not a fan-out directory of the store")
+                continue
+            for entry in sorted(os.listdir(fanout)):
+                path = top / name / entry
+                if TMP_NAME.fullmatch(entry):
+                    continue  # a write in progress (or a dead writer's, removed at the next start)
+                if not OBJECT_NAME.fullmatch(entry):
+                    yield _foreign(fanout, path, "not an object name")
+                else:
+                    yield inspect(fanout, path)
 
 
-def scan(root: str | Path) -> Iterator[StoredObject]:
-    """Every entry of the store's object directories, each object's header and key read."""
-    top = objects_dir(root)
-    for fanout in sorted(os.scandir(top), key=lambda e: e.name):
-        if not (FANOUT_NAME.fullmatch(fanout.name) and fanout.is_dir(follow_symlinks=False)):
-            yield _foreign(Path(fanout.path), "not a fan-out directory of the store")
-            continue
-        for entry in sorted(os.scandir(fanout.path), key=lambda e: e.name):
-            path = Path(entry.path)
-            if TMP_NAME.fullmatch(entry.name):
-                continue  # a write in progress (or a dead writer's, removed at the next start)
-            if not OBJECT_NAME.fullmatch(entry.name):
-                yield _foreign(path, "not an object name")
-            else:
-                yield inspect(path)
+def scan(root: str | Path) -> list[StoredObject]:
+    """Every entry of the store at ``root`` (headers and keys read; nothing to open later)."""
+    with StoreTree(root) as tree:
+        return list(tree.scan())
 
 
-def _foreign(path: Path, why: str) -> StoredObject:
+def _foreign(dir_fd: int, path: Path, why: str) -> StoredObject:
     try:
-        st = os.lstat(path)
+        st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         st = None
     size = st.st_size if st and stat.S_ISREG(st.st_mode) else 0
-    return StoredObject(path, size, st.st_mtime if st else 0.0, problem=why, foreign=True)
+    return StoredObject(
+        path, size, st.st_mtime if st else 0.0, problem=why, foreign=True, dir_fd=dir_fd
+    )
 
 
-def _open(path: Path) -> int | None:
-    """A descriptor of the regular file at ``path``; None for anything else (never followed)."""
+def _open(dir_fd: int, name: str) -> int | None:
+    """A descriptor of the regular file ``name`` in ``dir_fd``; None for anything else (never
+    followed)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENOENT):
             return None
@@ -121,15 +173,15 @@ def _open(path: Path) -> int | None:
     return fd
 
 
-def inspect(path: Path) -> StoredObject:
-    """The object at ``path``: header and key read and checked against each other and the
-    file's name and size (the payload is not read: see ``verify_object``)."""
-    fd = _open(path)
+def inspect(dir_fd: int, path: Path) -> StoredObject:
+    """The object ``path.name`` in ``dir_fd``: header and key read and checked against each
+    other and the file's name and size (the payload is not read: see ``verify_object``)."""
+    fd = _open(dir_fd, path.name)
     if fd is None:
-        return _foreign(path, "not a regular file")
+        return _foreign(dir_fd, path, "not a regular file")
     try:
         st = os.fstat(fd)
-        found = StoredObject(path, st.st_size, st.st_mtime)
+        found = StoredObject(path, st.st_size, st.st_mtime, dir_fd=dir_fd)
         try:
             found.header = read_header(os.pread(fd, HEADER_BYTES, 0))
             h = found.header
@@ -170,7 +222,7 @@ def verify_object(
     if found.foreign or found.problem or found.header is None:
         return found
     h = found.header
-    fd = _open(found.path)
+    fd = _open(found.dir_fd, found.path.name) if found.dir_fd is not None else None
     if fd is None:
         found.problem = "removed or replaced while checking"
         return found
@@ -227,11 +279,12 @@ def check_layouts(objects: list[StoredObject]) -> None:
 
 
 def remove(found: StoredObject) -> bool:
-    """Unlink one object of the store's layout (never a foreign entry); False if already gone."""
-    if found.foreign or not OBJECT_NAME.fullmatch(found.path.name):
+    """Unlink one object of the store's layout (never a foreign entry) from the directory it was
+    listed in (its ``StoreTree`` still open); False if already gone."""
+    if found.foreign or not OBJECT_NAME.fullmatch(found.path.name) or found.dir_fd is None:
         raise StorageError(f"refusing to remove {found.path}: not an object of the store")
     try:
-        os.unlink(found.path)
+        os.unlink(found.path.name, dir_fd=found.dir_fd)
     except FileNotFoundError:
         return False
     return True
