@@ -39,6 +39,9 @@ from kvtier_bench.serve import COUNTERS, binding, reserved_cpus
 from kvtier_bench.vllm_server import Server
 
 MAX_LINE_BYTES = 1 << 20  # a line of 100k hash ids; a longer one is not a trace line
+# Read before the window ends: Mooncake's traces are a few MB; a gzip bomb stops here.
+MAX_TRACE_BYTES = 256 << 20
+MAX_NESTING = 4  # a trace line is one object holding one list: "[" and "{" counted, no deeper
 TRACE_BLOCK_TOKENS = 512  # what one hash id stands for in Mooncake's traces
 
 
@@ -62,13 +65,18 @@ def read_trace(path: str, start: int, lines: int, every: int = 1) -> list[dict[s
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ConfigError("--trace", f"{path} is not a regular file")
-    kept = []
+    kept, read = [], 0
     with os.fdopen(fd, "rb") as raw, gzip.open(raw) if path.endswith(".gz") else raw as stream:
         for n, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b"")):
             if len(line) > MAX_LINE_BYTES:
                 raise ConfigError("--trace", f"{path}:{n + 1}: a line over {MAX_LINE_BYTES} bytes")
             if n >= start + lines:
                 break
+            read += len(line)
+            if read > MAX_TRACE_BYTES:
+                raise ConfigError(
+                    "--trace", f"{path}: over {MAX_TRACE_BYTES} bytes before line {start + lines}"
+                )
             if n >= start:
                 entry = _checked(line, f"{path}:{n + 1}")
                 if entry["hash_ids"] and entry["hash_ids"][0] % every == 0:
@@ -77,9 +85,11 @@ def read_trace(path: str, start: int, lines: int, every: int = 1) -> list[dict[s
 
 
 def _checked(line: bytes, where: str) -> dict[str, Any]:
+    if line.count(b"[") + line.count(b"{") > MAX_NESTING:  # json.loads recurses per level
+        raise ConfigError("--trace", f"{where}: not a trace line (nested deeper than one list)")
     try:
         entry = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ConfigError("--trace", f"{where}: not JSON") from None
     ok = (
         isinstance(entry, dict)

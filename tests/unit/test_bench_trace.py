@@ -63,3 +63,23 @@ def test_what_is_not_a_trace_is_refused_without_reading_anything_else(tmp_path) 
     huge.write_bytes(b"[" + b"1," * MAX_LINE_BYTES + b"1]\n")
     with pytest.raises(ConfigError, match="a line over"):
         read_trace(str(huge), 0, 10)
+
+
+def test_a_deeply_nested_line_and_a_gzip_bomb_are_one_line_errors(tmp_path, monkeypatch) -> None:
+    """Round 5: a deeply nested line ended ``kvtier bench trace`` with RecursionError, and a
+    small gzip bomb kept it reading for minutes."""
+    import kvtier_bench.trace as trace
+
+    nested = tmp_path / "nested.jsonl"
+    nested.write_bytes(b"[" * 200_000 + b"]" * 200_000 + b"\n")
+    with pytest.raises(ConfigError, match="nested deeper"):
+        read_trace(str(nested), 0, 10)
+    line = b'{"timestamp": 0, "output_length": 1, "hash_ids": [1, 2]}\n'
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wb") as f:
+        for _ in range(1000):
+            f.write(line * 1000)  # 58 MB of lines, about 100 kB compressed
+    assert bomb.stat().st_size < 1 << 20
+    monkeypatch.setattr(trace, "MAX_TRACE_BYTES", 1 << 20)  # the bound, scaled down
+    with pytest.raises(ConfigError, match="over 1048576 bytes before line"):
+        read_trace(str(bomb), 10**9, 10)

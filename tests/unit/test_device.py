@@ -271,3 +271,26 @@ def test_a_cleaner_racing_a_create_costs_a_retry_not_the_create(
         assert shm.owner_alive(os.open(path, os.O_RDONLY))  # held by the creator
     finally:
         os.close(fd)
+
+
+def test_names_planted_where_a_segment_is_created_cost_one_line_not_a_traceback(
+    tmp_path, monkeypatch
+) -> None:
+    """Round 5: a name planted at the temporary name the worker makes its segment under (pid and
+    a count, both guessable) made it die with a FileExistsError traceback. Now the name holds
+    64 random bits; planted anyway (the randomness pinned here), another name is tried, and when
+    every try is taken the error is one line that says what to do."""
+    from kvtier.memory import shm
+
+    path = tmp_path / "kvtier-planted.dev"
+    monkeypatch.setattr(shm, "_unguessable", lambda: "1-0-guessed")
+    (tmp_path / ".kvtier-planted.dev.1-0-guessed.creating").write_bytes(b"planted")
+    with pytest.raises(DeviceCacheError, match=r"could not create .*find and stop it"):
+        shm.create_locked(path, "a test file")
+    assert not path.exists()
+    names = iter(["1-0-guessed", "1-1-fresh"])
+    monkeypatch.setattr(shm, "_unguessable", lambda: next(names))
+    fd = shm.create_locked(path, "a test file")
+    os.close(fd)
+    assert path.exists()
+    assert (tmp_path / ".kvtier-planted.dev.1-0-guessed.creating").read_bytes() == b"planted"

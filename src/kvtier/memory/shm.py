@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import stat
 from enum import Enum
 from pathlib import Path
@@ -40,6 +41,7 @@ FILE_MODE = 0o600
 NAME_PREFIX = "kvtier-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _CREATING_SUFFIX = ".creating"
+CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _counter = itertools.count()
 
 
@@ -72,8 +74,13 @@ def create_locked(path: Path, what: str) -> int:
     can be taken) is reclaimed with one WARNING; a live owner's file raises DeviceCacheError.
     """
     for _ in range(3):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{next(_counter)}{_CREATING_SUFFIX}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        tmp = path.with_name(f".{path.name}.{_unguessable()}{_CREATING_SUFFIX}")
+        try:
+            fd = os.open(
+                tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+        except FileExistsError:  # planted there by someone else (or a link): another name
+            continue
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -104,7 +111,16 @@ def create_locked(path: Path, what: str) -> int:
                 "use another instance id or stop that process"
             )
         log.warning("reclaimed %s left by a crashed owner (%s)", what, path)
-    raise DeviceCacheError(f"could not create {path}: another process keeps re-creating it")
+    raise DeviceCacheError(
+        f"could not create {path}: another process keeps re-creating it or the temporary "
+        f"names beside it ({path.parent}/.{path.name}.*{_CREATING_SUFFIX}); find and stop it"
+    )
+
+
+def _unguessable() -> str:
+    """This process's part of a temporary name: pid, a count and 64 random bits, so that
+    nobody can plant a file at the name before it is made."""
+    return f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(8)}"
 
 
 def reserve(fd: int, size_bytes: int, what: str) -> None:
