@@ -142,7 +142,7 @@ class _Checker:
                 f"belongs to {_user(st.st_uid)}, not to you"
                 + (" (another user made it first and decides what it holds)" if last else ""),
             )
-        writers = self._writers(fd, st, ACL_ACCESS)
+        writers = self._writers(fd, st, ACL_ACCESS, last)
         if last and writers:
             self._refuse(at, f"is writable by {writers}")
         if not last and writers and not mode & stat.S_ISVTX:
@@ -151,10 +151,10 @@ class _Checker:
                 f"is writable by {writers} without the sticky bit (anyone may rename what is "
                 "inside)",
             )
-        if last and (inherited := self._writers(fd, st, ACL_DEFAULT)):
+        if last and (inherited := self._writers(fd, st, ACL_DEFAULT, last)):
             self._refuse(at, f"has a default ACL that lets {inherited} write what is made in it")
 
-    def _writers(self, fd: int, st: os.stat_result, which: str) -> str:
+    def _writers(self, fd: int, st: os.stat_result, which: str, last: bool) -> str:
         """Who other than this user (and a group store's own groups) may write to the directory
         (``which``: its access ACL and mode bits) or what is made in it (its default ACL), in
         words; empty when nobody."""
@@ -168,14 +168,14 @@ class _Checker:
         group_perm = next((p for t, p, _ in entries if t == ACL_GROUP_OBJ), None)
         if group_perm is None:  # no ACL: the group bits are the owning group's
             group_perm = (st.st_mode >> 3) & 0o7
-        if _effective(group_perm, mask) and not self._trusted_group(st.st_gid):
+        if _effective(group_perm, mask) and not self._trusted_group(st.st_gid, st.st_gid, last):
             found.append(f"its group {_group(st.st_gid)}")
         for tag, perm, qualifier in entries:
             if not _effective(perm, mask):
                 continue
             if tag == ACL_USER and qualifier not in (self.uid, 0):
                 found.append(f"{_user(qualifier)} through an ACL")
-            elif tag == ACL_GROUP and not self._trusted_group(qualifier):
+            elif tag == ACL_GROUP and not self._trusted_group(qualifier, st.st_gid, last):
                 found.append(f"group {_group(qualifier)} through an ACL")
         return ", ".join(found)
 
@@ -185,11 +185,14 @@ class _Checker:
         if st.st_uid not in (self.uid, 0):
             self._refuse(at, f"is a symbolic link made by {_user(st.st_uid)}")
 
-    def _trusted_group(self, gid: int) -> bool:
-        """A group allowed to write: one of this user's, on a store shared with its group on
-        purpose. Never otherwise, not even a primary group with no listed member: accounts
+    def _trusted_group(self, gid: int, owning_gid: int, last: bool) -> bool:
+        """A group allowed to write, only ever on a store shared with its group on purpose:
+        the store root's own group (whoever its members: that is the sharing), or a group of
+        this user's. Never otherwise, not even a primary group with no listed member: accounts
         whose primary gid it is are not listed in /etc/group."""
-        return self.group_shared and gid in self.groups
+        if not self.group_shared:
+            return False
+        return gid in self.groups or (last and gid == owning_gid)
 
     def _refuse(self, at: Path, why: str) -> None:
         where = "" if at == self.wanted else f" (on the way to {self.wanted})"
