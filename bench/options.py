@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtier.ops.cli_args import COUNT, SEED, SIZE, integer, plot_file
+from kvtier.ops.cli_args import COUNT, SEED, SIZE, comma_list, integer, plot_file
 
 
 def copy_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,10 +39,16 @@ def copy_arguments(p: argparse.ArgumentParser) -> None:
 def storage_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
+        type=comma_list(["file", "mooncake", "memory", "s3"]),
         default="file,mooncake",
         help="comma-separated: file, mooncake, memory (a memory tier in front of a file store), s3",
     )
-    p.add_argument("--sizes", default="1,8", help="object sizes in MiB: 1 and/or 8")
+    p.add_argument(
+        "--sizes",
+        type=comma_list(["1", "8"]),
+        default="1,8",
+        help="object sizes in MiB: 1 and/or 8",
+    )
     p.add_argument(
         "--bytes-per-run",
         type=SIZE,

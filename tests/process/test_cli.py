@@ -326,6 +326,73 @@ def test_every_numeric_option_is_checked_in_one_line(argv, needle) -> None:
     _one_line_error(kvtier(*argv), needle)
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["bench", "copy", "--device", "cuda"], "--device: cuda asked for, but this torch"),
+        (["status", "--endpoint", "garbage"], "--endpoint: 'garbage' is not a worker endpoint"),
+        (["status", "--endpoint", "tcp://127.0.0.1"], "is not a worker endpoint"),
+        (["bench", "e2e", "--plot", "/nonexistent/x.png"], "--plot: /nonexistent does not exist"),
+        (["bench", "storage", "--backends", "file,nope"], "--backends: 'nope' given: choose"),
+        (["bench", "storage", "--sizes", "3"], "--sizes: '3' given: choose from 1, 8"),
+        (["demo", "--engine", "vllm", "--backend", "mooncake", "--ranks", "3"], "--ranks, --back"),
+        (["demo", "--device-blocks", "1"], "use --device-blocks 80 or more"),
+    ],
+)
+def test_round_five_bad_inputs_are_one_line_and_nothing_is_ignored(argv, needle) -> None:
+    """Each printed a traceback (CUDA on a CPU torch, a garbage endpoint), failed only after the
+    whole benchmark ran (a plot in a missing folder), lacked the error prefix (a backend), ran
+    ignoring the options (``demo --engine vllm --backend mooncake --ranks 3``: 45 s), or advised
+    a negative count ("use --turns -4 or fewer")."""
+    if argv[:3] == ["bench", "copy", "--device"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this torch has CUDA: the refusal is for a CPU-only build")
+    out = kvtier(*argv)
+    _one_line_error(out, needle)
+    assert "-4 or fewer" not in out.stderr
+
+
+def test_serve_refuses_a_cuda_device_this_torch_has_not(tmp_path) -> None:
+    import torch
+    import yaml
+
+    from worker_helpers import WSPEC
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: the refusal is for a CPU-only build")
+    spec = yaml.safe_dump(WSPEC.to_dict(), default_flow_style=True).strip()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.ops.cli", "serve", "--device", "cuda", "--instance-id", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVTIER_SPEC": spec, "KVTIER_STORAGE": "{backend: memory}"},
+    )
+    _one_line_error(out, "device: cuda asked for, but this torch")
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """``kvtier serve --help`` had 9 options without a word."""
+    import argparse
+
+    from kvtier.ops.cli import build_parser
+
+    silent = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+            elif action.help is None:
+                silent.append(" ".join([*path, *action.option_strings[:1]]))
+
+    walk(build_parser(), ["kvtier"])
+    assert silent == []
+
+
 def test_sizes_parse_one_way_everywhere(tmp_path) -> None:
     from kvtier.ops.cli import _bench_parser, build_parser
 

@@ -66,9 +66,14 @@ def legacy_flag_parser(
         help="bfloat16|float16|float32|uint8|block_wise_fp8",
     )
     p.add_argument("--scale_dtype", default="bfloat16", help="dtype of fp8 scales")
-    p.add_argument("--num_layers", type=int, required=required)
+    p.add_argument("--num_layers", type=int, required=required, help="attention layers")
     p.add_argument("--num_extra_layers", type=int, default=0, help="MTP / draft layers")
-    p.add_argument("--num_extra_layer_gpu_blocks", type=int, default=None)
+    p.add_argument(
+        "--num_extra_layer_gpu_blocks",
+        type=int,
+        default=None,
+        help="device blocks of the extra layers (default: num_blocks x --extra_layer_block_ratio)",
+    )
     p.add_argument(
         "--extra_layer_block_ratio",
         type=float,

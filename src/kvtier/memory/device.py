@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.errors import DeviceCacheDetached, DeviceCacheError, LayoutMismatch
+from kvtier.errors import ConfigError, DeviceCacheDetached, DeviceCacheError, LayoutMismatch
 from kvtier.layout.spec import KVCacheSpec, Part
 from kvtier.memory import shm
 from kvtier.memory.published import attach_path, check_tensor, find_published, write_cuda_handles
@@ -50,6 +50,24 @@ class CacheMode(str, Enum):
     OWNER = "owner"
     ATTACHED = "attached"
     WRAPPED = "wrapped"
+
+
+def require_device(device: str, field: str) -> None:
+    """Refuse (``ConfigError`` naming ``field``) a CUDA device this torch cannot use: a CPU-only
+    build, or an index past the devices there are."""
+    if not str(device).startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            field,
+            f"{device} asked for, but this torch ({torch.__version__}) has no CUDA device: "
+            "use cpu, or install a CUDA build of torch on a machine with a GPU",
+        )
+    index = int(str(device).partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            field, f"{device} asked for, but there are {torch.cuda.device_count()} CUDA devices"
+        )
 
 
 def cache_name(instance_id: str, rank: int, device_index: int = 0) -> str:

@@ -82,25 +82,45 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
     # (environment read); --launched-as names the instance and rank for ps and the tests.
     serve.add_argument("--config-is-complete", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--launched-as", help=argparse.SUPPRESS)
-    serve.add_argument("--rank", type=integer(0))
-    serve.add_argument("--world-size", "--mp_num", dest="world_size", type=COUNT)
-    serve.add_argument("--instance-id")
-    serve.add_argument("--num-host-blocks", "--num_cpu_blocks", dest="num_host_blocks", type=COUNT)
+    serve.add_argument("--rank", type=integer(0), help="this worker's tensor-parallel rank")
+    serve.add_argument(
+        "--world-size", "--mp_num", dest="world_size", type=COUNT, help="tensor-parallel ranks"
+    )
+    serve.add_argument(
+        "--instance-id", help="the engine instance: names its device caches and sockets"
+    )
+    serve.add_argument(
+        "--num-host-blocks",
+        "--num_cpu_blocks",
+        dest="num_host_blocks",
+        type=COUNT,
+        help="blocks of the host pool",
+    )
     serve.add_argument("--device-cache", help="name of the shared device cache")
-    serve.add_argument("--device-cache-mode", choices=["attach", "create"])
+    serve.add_argument(
+        "--device-cache-mode",
+        choices=["attach", "create"],
+        help="attach to the engine's device cache, or create one (standalone tests, demos)",
+    )
     serve.add_argument("--device", help="cpu, cuda or cuda:N")
     _add_storage_flags(serve)
     serve.add_argument("--namespace", help="model id used in storage keys")
     serve.add_argument("--model-dir", "--model_path", dest="model_dir", help="holds version.yaml")
     serve.add_argument("--endpoint", help="ipc:///PATH or tcp://127.0.0.1:PORT")
-    serve.add_argument("--engine-timeout-s", type=positive_number)
+    serve.add_argument(
+        "--engine-timeout-s",
+        type=positive_number,
+        help="exit when the engine is silent this long after its first hello",
+    )
     serve.add_argument(
         "--start-timeout-s", type=positive_number, help="exit when no engine said hello by then"
     )
     serve.add_argument(
         "--metrics-port", type=integer(0, 65535), help="Prometheus exporter on 127.0.0.1"
     )
-    serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="the worker's log level"
+    )
     serve.add_argument("--cpu-cores", help="run on these cores (a CPU list: 1 or 0,2-3)")
     serve.add_argument(
         "--write_policy",
@@ -116,7 +136,13 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         type=COUNT,
         help="longest request in tokens: sizes the storage staging",
     )
-    serve.add_argument("--device_id", "--device-id", dest="device_id", type=integer(0))
+    serve.add_argument(
+        "--device_id",
+        "--device-id",
+        dest="device_id",
+        type=integer(0),
+        help="with --device cuda: the GPU's index (the same as --device cuda:N)",
+    )
 
     legacy_flag_parser(serve.add_argument_group("the old engine's cache flags"), required=False)
     serve.set_defaults(func=_serve)
@@ -124,6 +150,7 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     """One worker process: configuration from --config YAML, KVTIER_* env, then flags."""
+    from kvtier.memory.device import require_device
     from kvtier.worker.config import load_config
     from kvtier.worker.loop import Worker
 
@@ -138,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{config.rank} %(levelname)s %(name)s: %(message)s",
     )
 
+    require_device(config.device, "device")
     mooncake = mooncake_config(config.storage_config)
     if mooncake is not None:  # the edge sets what Mooncake reads
         reexec_with(process_environment(mooncake))  # LD_PRELOAD works only from the start

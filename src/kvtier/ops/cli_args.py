@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvtier.ops.table import parse_duration, parse_size
@@ -126,7 +127,26 @@ def plot_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"needs matplotlib, which is not installed: {PLOT_INSTALL}"
         )
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):  # said now, not after the whole benchmark ran
+        raise argparse.ArgumentTypeError(f"{folder} does not exist: make it first")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{folder} is not writable by you")
     return text
+
+
+def comma_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """A comma-separated list of some of ``allowed`` (order kept, repeats dropped)."""
+
+    def parse(text: str) -> list[str]:
+        chosen = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+        wrong = [x for x in chosen if x not in allowed]
+        if wrong or not chosen:
+            given = ", ".join(map(repr, wrong)) or "nothing"
+            raise argparse.ArgumentTypeError(f"{given} given: choose from {', '.join(allowed)}")
+        return chosen
+
+    return parse
 
 
 SEED = integer(0, 2**32 - 1)  # what numpy's and Python's generators take

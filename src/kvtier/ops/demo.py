@@ -60,11 +60,11 @@ class Workload:
         if longest > self.device_blocks:  # it failed at that turn, after minutes of work
             per_turn = self.user_tokens + self.reply_tokens
             fits = (self.device_blocks * self.block_size - self.system_tokens) // per_turn
+            fewer = f"--turns {fits} or fewer, or " if fits >= 1 else ""
             raise ConfigError(
                 "turns",
                 f"the last turn's prompt is {longest} blocks, more than the device cache's "
-                f"{self.device_blocks}: use --turns {fits} or fewer, or --device-blocks "
-                f"{longest} or more",
+                f"{self.device_blocks}: use {fewer}--device-blocks {longest} or more",
             )
 
     @property

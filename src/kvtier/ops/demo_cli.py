@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from kvtier.errors import ConfigError
 from kvtier.ops.cli_args import COUNT, SEED, SIZE, WRITE_POLICIES, DefaultsFormatter, integer
 from kvtier.ops.table import plural, size
 
@@ -69,11 +70,32 @@ def add_demo(sub, common: argparse.ArgumentParser) -> None:
     demo.add_argument(
         "--instance-id", help="names this run's workers, caches and sockets (default: random)"
     )
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, option_defaults={a.dest: a.default for a in demo._actions})
+
+
+# What --engine vllm runs is fixed (one engine, one rank, a file store): these do not apply.
+KVTIER_ENGINE_ONLY = (
+    "ranks", "backend", "memory_tier", "mooncake_master", "mooncake_metadata", "users", "turns",
+    "block_size", "device_blocks", "host_blocks", "write_policy", "keep_store", "seed",
+    "instance_id",
+)  # fmt: skip
+
+
+def _refuse_what_vllm_ignores(args: argparse.Namespace) -> None:
+    """An option of the kvtier engine's demo given another value than its default."""
+    given = [n for n in KVTIER_ENGINE_ONLY if getattr(args, n) != args.option_defaults.get(n)]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise ConfigError(
+            "engine",
+            f"{flags} apply to --engine kvtier only (--engine vllm runs one vLLM engine over a "
+            "file store, as docs/vllm.md shows): drop them, or use --engine kvtier",
+        )
 
 
 def _demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
+        _refuse_what_vllm_ignores(args)
         # local: the benchmarks are their own package, loaded only for `kvtier demo --engine vllm`
         from kvtier_bench.vllm import demo
 

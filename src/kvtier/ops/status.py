@@ -46,7 +46,13 @@ def add_status(sub, common: argparse.ArgumentParser) -> None:
         formatter_class=DefaultsFormatter,
     )
     p.add_argument("instance", nargs="?", help="instance id of the engine's workers")
-    p.add_argument("--endpoint", action="append", default=[], help="a worker endpoint; repeatable")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        type=endpoint_address,
+        help="a worker endpoint (ipc:///PATH or tcp://HOST:PORT); repeatable",
+    )
     p.add_argument("--auth-key-file", help="the instance secret, for tcp:// endpoints")
     p.add_argument(
         "--watch",
@@ -183,3 +189,15 @@ def _status(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
     finally:
         client.close()
+
+
+ENDPOINT = re.compile(r"ipc:///.+|tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}")
+
+
+def endpoint_address(text: str) -> str:
+    """A worker endpoint as the workers take them (argparse's check: one line when not)."""
+    if not ENDPOINT.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a worker endpoint: ipc:///ABSOLUTE/PATH or tcp://HOST:PORT"
+        )
+    return text
