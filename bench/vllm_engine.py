@@ -2,8 +2,9 @@
 vllm` and the vLLM tests (``tests/vllm_engine.py``) share — ``make_model``, ``engine``,
 ``generate``, ``counters``, ``reset``.
 
-``python -m kvtier_bench.vllm_engine make-model DIR [--hidden N]`` builds a random Llama (no
-downloads). ``python -m kvtier_bench.vllm_engine run ARGS_JSON`` serves a prompt set several
+``kvtier make-model DIR`` builds a random Llama with a tokenizer (no downloads; also
+``python -m kvtier_bench.vllm_engine make-model DIR ...``, the same command).
+``python -m kvtier_bench.vllm_engine run ARGS_JSON`` serves a prompt set several
 times and prints one JSON line per run: with ``kvtier`` false, vLLM alone (its prefix cache
 reset before each run, so every run recomputes); with ``kvtier`` true, each repetition serves
 the prompts under a fresh weight version (a miss: computed and saved) and then again after
@@ -217,9 +218,11 @@ def run(args: dict) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "make-model":
-        hidden = int(sys.argv[3]) if len(sys.argv) > 3 else 512
-        make_model(sys.argv[2], hidden)
+    if sys.argv[1:2] != ["run"]:  # make-model, --help, ...: kvtier's own command line
+        from kvtier.ops.cli import run as kvtier
+
+        sys.argv = ["kvtier", *sys.argv[1:]]
+        kvtier()
     else:
         run(json.loads(sys.argv[2]))
     sys.stdout.flush()

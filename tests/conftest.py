@@ -201,6 +201,7 @@ ENGINE_FILES = (
     "tests/engine/test_vllm.py",
     "tests/cluster/test_vllm_cluster.py",
     "tests/engine/test_vllm_serve.py",
+    "tests/engine/test_quickstart.py",
 )
 # Next, the longest of the rest (a file started last should be short).
 LONG_FILES = (

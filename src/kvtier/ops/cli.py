@@ -34,6 +34,7 @@ from kvtier.ops.cli_args import (
     positive_number,
 )
 from kvtier.ops.demo_cli import add_demo
+from kvtier.ops.model_cli import add_make_model
 from kvtier.ops.pd_proxy_cli import add_pd_proxy
 from kvtier.ops.status import add_status
 from kvtier.ops.store_cli import add_store
@@ -287,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for add in (add_demo, _add_serve, _add_bench, add_store, add_status, add_pd_proxy):
+    commands = (add_demo, _add_serve, _add_bench, add_store, add_status, add_pd_proxy)
+    for add in (*commands, add_make_model):
         add(sub, common)
     return p
 
