@@ -22,7 +22,7 @@ import torch
 
 from kvtier import DeviceCache, HostPool, KVCacheSpec, make_copier
 from kvtier.memory.copier import _copy
-from kvtier.memory.device import cache_name, require_device
+from kvtier.memory.device import cache_name
 from kvtier_bench.common import (
     emit,
     gbps,
@@ -59,7 +59,6 @@ def _ints(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    require_device(args.device, "--device")
     if args.num_blocks is None:
         args.num_blocks = "16,256,2048,4096" if args.large else "16,256,1024"
     rows = []

@@ -6,11 +6,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtier.errors import ConfigError
 from kvtier.ops.cli_args import COUNT, SEED, SIZE, comma_list, integer, plot_file
 
 
+def usable_device(text: str) -> str:
+    """``cpu``, or ``cuda`` where this torch has a CUDA device (torch is imported for that
+    question only)."""
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose cpu or cuda")
+    if text == "cuda":
+        # local: torch (10-15 s on a busy machine) only when CUDA is asked for
+        from kvtier.memory.device import require_device
+
+        try:
+            require_device(text, "--device")
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+    return text
+
+
 def copy_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--device", default="cpu", type=usable_device, help="cpu, or cuda (a CUDA build of torch)"
+    )
     p.add_argument("--block-sizes", default="16,64", help="tokens per block, comma-separated")
     p.add_argument(
         "--num-blocks",

@@ -90,12 +90,7 @@ def open_user_directory(
                     fd, at = os.open("/", DIR_FLAGS), Path("/")
                 made = False
                 continue
-            try:
-                child = os.open(name, DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ENOTDIR, errno.ELOOP):
-                    raise ConfigError(field, f"{at / name} is not a directory") from None
-                raise
+            child = _open_directory(fd, name, at, field)
             os.close(fd)
             fd = child
             at = at.parent if name == ".." else at / name
@@ -104,6 +99,16 @@ def open_user_directory(
         os.close(fd)
         raise
     return fd, made
+
+
+def _open_directory(fd: int, name: str, at: Path, field: str) -> int:
+    """The directory ``name`` in ``fd`` (``at``), never through a link."""
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise ConfigError(field, f"{at / name} is not a directory") from None
+        raise
 
 
 def check_parent_directory(path: Path | str, field: str) -> None:

@@ -103,6 +103,13 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         choices=["attach", "create"],
         help="attach to the engine's device cache, or create one (standalone tests, demos)",
     )
+    _add_serve_runtime_flags(serve)
+    legacy_flag_parser(serve.add_argument_group("the old engine's cache flags"), required=False)
+    serve.set_defaults(func=_serve)
+
+
+def _add_serve_runtime_flags(serve: argparse.ArgumentParser) -> None:
+    """Where the worker runs and what it serves: device, storage, endpoint, timeouts, logs."""
     serve.add_argument("--device", help="cpu, cuda or cuda:N")
     _add_storage_flags(serve)
     serve.add_argument("--namespace", help="model id used in storage keys")
@@ -144,9 +151,6 @@ def _add_serve(sub, common: argparse.ArgumentParser) -> None:
         type=integer(0),
         help="with --device cuda: the GPU's index (the same as --device cuda:N)",
     )
-
-    legacy_flag_parser(serve.add_argument_group("the old engine's cache flags"), required=False)
-    serve.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
