@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,6 +160,18 @@ def require_vllm() -> None:
         if "vllm" in REQUIRED:
             pytest.fail(f"vLLM is required here (KVTIER_TESTS_REQUIRE): {e}")
         pytest.skip(f"vLLM not usable: {e} (README, command 2)", allow_module_level=True)
+
+
+def require_native(name: str) -> Any:
+    """The compiled module ``name`` (``kvtier._copy``, ``kvtier._fileio``), or skip (locally:
+    no C compiler at install) / fail (CI sets KVTIER_TESTS_REQUIRE=native: every copy and
+    file-store figure depends on them)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if "native" in REQUIRED:
+            pytest.fail(f"{name} must be built here (KVTIER_TESTS_REQUIRE): {e}")
+        pytest.skip(f"{name} is not built: {e}", allow_module_level=True)
 
 
 def require_namespaces() -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import procs
-from conftest import SPECS, block_bytes_of, fill_random
+from conftest import SPECS, block_bytes_of, fill_random, require_native
 from kvtier.errors import DeviceCacheDetached, InvalidBlockIds, LayoutMismatch
 from kvtier.layout.checksum import payload_checksum
 from kvtier.layout.spec import KVCacheSpec
@@ -203,8 +203,8 @@ def scatter_impl(request, monkeypatch):
     """``copy_scattered`` as built, and its pure-Python fallback (no C compiler)."""
     if request.param == "python":
         monkeypatch.setattr(scatter, "_copy", None)
-    elif scatter._copy is None:
-        pytest.skip("kvtier._copy is not built")
+    else:
+        require_native("kvtier._copy")
     return scatter.copy_scattered
 
 
@@ -271,11 +271,11 @@ print(json.dumps([_copy.kernels, want, int(h[0]), int(ok[0]), same, int(s[0]), f
 """
 
 
-@pytest.mark.skipif(scatter._copy is None, reason="kvtier._copy is not built")
 @pytest.mark.parametrize("baseline", ["", "1"], ids=["as-chosen", "baseline"])
 def test_each_set_of_hashing_kernels_computes_xxh3(baseline) -> None:
     """The hashing kernels are built twice (baseline and AVX2) and picked at import from the
     CPU: whichever runs must give the XXH3-64 the rest of kvtier (and every reader) computes."""
+    require_native("kvtier._copy")
     env = {**os.environ, "KVTIER_COPY_BASELINE": baseline}
     out = subprocess.run(
         [sys.executable, "-c", KERNELS_CHECK], env=env, capture_output=True, text=True, check=True

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import xxhash
 
-_copy = pytest.importorskip("kvtier._copy")
+from conftest import require_native
+
+_copy = require_native("kvtier._copy")
 
 KIB = 1024
 # Lengths around XXH3's 1 KiB blocks: a whole number of them (its last block is the "partial"

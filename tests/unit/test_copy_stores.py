@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import xxhash
 
+from conftest import require_native
 from kvtier.errors import ConfigError
 from kvtier.memory import stores
 
-_copy = pytest.importorskip("kvtier._copy")
+_copy = require_native("kvtier._copy")
 
 OBJECT = 1 << 20  # pieces of 128 KiB: above the 4 KiB where streaming stores start
 

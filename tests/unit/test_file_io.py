@@ -11,19 +11,18 @@ import pytest
 import torch
 import xxhash
 
+from conftest import require_native
 from kvtier.storage.file import io as file_io
 
-NATIVE = pytest.param(
-    (file_io._fileio.read_object, file_io._fileio.write_object) if file_io._fileio else None,
-    id="native",
-    marks=pytest.mark.skipif(file_io._fileio is None, reason="kvtier._fileio is not built"),
-)
-PYTHON = pytest.param((file_io.read_object_py, file_io.write_object_py), id="python")
 
-
-@pytest.fixture(params=[NATIVE, PYTHON])
+@pytest.fixture(params=["native", "python"])
 def io(request):
-    read, write = request.param
+    """The native reads and writes (``kvtier._fileio``) and their pure-Python fallback."""
+    if request.param == "native":
+        native = require_native("kvtier._fileio")
+        read, write = native.read_object, native.write_object
+    else:
+        read, write = file_io.read_object_py, file_io.write_object_py
     return lambda *a: file_io.ReadResult(*read(*a)), write
 
 
@@ -103,8 +102,7 @@ def test_a_write_sets_the_mode_asked_whatever_the_umask(io, directory) -> None:
 
 
 def test_bad_arguments_are_errors_not_crashes() -> None:
-    if file_io._fileio is None:
-        pytest.skip("kvtier._fileio is not built")
+    require_native("kvtier._fileio")
     with pytest.raises(BufferError):  # nothing is read into read-only memory
         file_io._fileio.read_object(0, "x", b"read-only", [], None, False)
     with pytest.raises(TypeError):
