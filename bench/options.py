@@ -4,7 +4,6 @@ and a bad value answer at once, without importing torch (10-15 s on a busy machi
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.ops.cli_args import COUNT, SEED, SIZE, comma_list, integer, plot_file
@@ -292,8 +291,8 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
 def trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
-        default=str(Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl.gz"),
-        help="a Mooncake-format trace (JSON lines, .gz or not); default: ../shared/traces' one",
+        help="a Mooncake-format trace (JSON lines, .gz or not); default: in a checkout, "
+        "../shared/traces/synthetic_trace.jsonl.gz beside it (an install has none: give one)",
     )
     p.add_argument("--start", type=integer(0), default=0, help="first line of the window")
     p.add_argument("--lines", type=COUNT, default=4000, help="trace lines in the window")

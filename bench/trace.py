@@ -53,6 +53,20 @@ class Request:
     output: int
 
 
+def checkout_trace() -> str:
+    """The trace beside a checkout (``../shared/traces``): a ConfigError where there is none,
+    as in an installed package."""
+    path = Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl.gz"
+    if not path.is_file():
+        raise ConfigError(
+            "--trace",
+            "give a trace file: none lies beside this install (a checkout finds "
+            "../shared/traces/synthetic_trace.jsonl.gz; Mooncake's FAST'25 traces have this "
+            "format: JSON lines of timestamp, input_length, output_length, hash_ids)",
+        )
+    return str(path)
+
+
 def read_trace(path: str, start: int, lines: int, every: int = 1) -> list[dict[str, Any]]:
     """The lines ``start`` .. ``start + lines`` of the trace at ``path`` (JSON lines, gzip or
     not) whose first hash id is a multiple of ``every``: whole prefix groups, one in
@@ -235,6 +249,7 @@ def rows_of(rounds: list[dict], ideal: dict[str, int], prompt_tokens: int) -> li
 def report(args: argparse.Namespace) -> int:
     from kvtier_bench.vllm_engine import model_or_built
 
+    args.trace = args.trace or checkout_trace()
     requests = requests_of(read_trace(args.trace, args.start, args.lines, args.every), args)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     capacity = args.capacity_blocks or None
