@@ -159,6 +159,27 @@ def test_idle_gaps_and_decode_steps_are_not_prefill_samples() -> None:
     assert d.engine.samples == 0
 
 
+def test_a_step_ends_with_its_output_not_with_the_next_step_after_an_idle_engine() -> None:
+    """Round 4's bound (30 s) let a 20 s idle gap after an 1,800-token step count as that
+    step: the per-token cost came out ~30x too high and fast loads were declined. The step
+    ends when vLLM takes its output (``step_ended``), and kvtier's own waits within it are
+    taken out; the lookups before the next step are outside it."""
+    d = LoadOrRecompute(BS)
+    d.step(1800, 0.0)
+    d.waited(0.1)  # a load the forward waited for
+    d.step_ended(0.75)
+    d.waited(0.2, lookup=True)  # the next request's lookup, 20 s later
+    d.step(1800, 20.0)
+    assert d.engine.samples == 1
+    assert d.engine.per_token() == pytest.approx(0.65 / 1800)
+    unended = LoadOrRecompute(BS)  # no end seen (async scheduling): until the next step
+    unended.step(1800, 0.0)
+    unended.waited(0.1)
+    unended.waited(0.2, lookup=True)
+    unended.step(1800, 1.0)
+    assert unended.engine.per_token() == pytest.approx(0.7 / 1800)
+
+
 def _tiers(d: LoadOrRecompute, per_block: list[float]) -> None:
     """Loads from each tier alone, ``per_block[i]`` seconds per block from tier ``i``."""
     for level, rate in enumerate(per_block):

@@ -28,7 +28,23 @@ def _check_vllm() -> None:
         )
 
 
+def _log_through_vllm() -> None:
+    """kvtier's log lines in vLLM's log, as vLLM's own are: vLLM configures handlers for its
+    ``vllm`` logger only, so kvtier's INFO lines (where a rank's worker runs, a load declined)
+    went nowhere. An application that configured the ``kvtier`` logger keeps its own."""
+    import logging
+
+    ours, vllms = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not vllms.handlers:
+        return
+    for handler in vllms.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(min(vllms.getEffectiveLevel(), logging.INFO))
+    ours.propagate = False  # once: not again through the root logger's handlers
+
+
 _check_vllm()
+_log_through_vllm()
 
 from kvtier.vllm.connector import KvtierConnector  # noqa: E402
 

@@ -65,6 +65,9 @@ class KvtierConnector(KVConnectorBase_V1):
             namespace += "." + vllm_config.cache_config.prefix_caching_hash_algo
         self._scheduler = None
         self._worker = None
+        # Under async scheduling a step's output comes after the next step began: no end seen.
+        scheduling = getattr(vllm_config, "scheduler_config", None)
+        self._steps_end_here = not getattr(scheduling, "async_scheduling", False)
         self._tier_events: TierEvents | None = None
         scheduler = role is KVConnectorRole.SCHEDULER
         events = publishing(vllm_config, self.settings.kv_events, warn=scheduler)
@@ -198,6 +201,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._worker.transfers.worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self):
+        if self._scheduler is not None and self._steps_end_here:
+            self._scheduler.decide.step_ended()  # vLLM asks once each step's output is in
         return self._worker.transfers.take_stats() if self._worker is not None else None
 
     def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:

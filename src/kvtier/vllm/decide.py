@@ -74,7 +74,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.vllm.estimators import MIN_SAMPLES, EngineRate, RobustFit
+from kvtier.vllm.estimators import MIN_SAMPLES, EngineRate, RobustFit, StepClock
 
 # Prefill steps before anything is declined: a step's time varies +-20-40 % on a busy CPU, and a
 # median of 8 tells a load 1.25x faster than recompute apart (of 2-6, it did not: unit tests).
@@ -90,7 +90,6 @@ PROBE_SOON_S = 3.0  # ... or this often while its decline is not yet sure
 PROBE_JITTER = 0.5  # each probe gap is drawn from [1 - PROBE_JITTER, 1] of its length
 FLOOR_S = 1.0  # a waiting save's floor holds this long unless reported again (every step)
 SLOW_SAVE_S = 0.5  # an answered save this slow (its own time) is a floor: REPORT_WAITING_S's bar
-MAX_STEP_S = 30.0  # a longer gap between steps is an idle engine, not a step
 # load_mode auto: a load runs within its step (the forward waits) only if it is estimated at
 # most this long — every request running in that step shares the wait.
 SYNC_MAX_S = 0.05
@@ -128,6 +127,7 @@ class LoadOrRecompute:
         self._clock = clock or (lambda: time.monotonic())
         self.tiers: list[RobustFit] = [RobustFit(self._clock)]  # per tier: s per load of n blocks
         self.engine = EngineRate()
+        self.steps = StepClock(self.engine)
         self._rng = random.Random(seed)
         self._last_probe_at = float("-inf")
         self._save_probe_gap = STALE_S  # doubles while saves stay declined, up to PROBE_S
@@ -135,7 +135,6 @@ class LoadOrRecompute:
         self._jitter: dict[int, float] = {}  # per tier: the fraction of its next probe gap
         self._floor, self._floor_at = 0.0, float("-inf")  # s per block, from a blocked save
         self._saved_floor = 0.0  # s per block, from the last answered save, if it was slow
-        self._last_step: tuple[float, int] | None = None
 
     @property
     def store(self) -> RobustFit:
@@ -188,16 +187,20 @@ class LoadOrRecompute:
         return waiting, self._saved_floor
 
     def step(self, scheduled_tokens: int, now: float | None = None, kvtier_s: float = 0.0) -> None:
-        """A scheduler step begins that scheduled ``scheduled_tokens``: the previous step took
-        the time since the previous call, of which ``kvtier_s`` were kvtier's own waits (the
-        previous step's loads within it, this step's lookups): not the engine's."""
-        now = self._clock() if now is None else now
-        if self._last_step is not None:
-            at, tokens = self._last_step
-            gap = now - at - kvtier_s
-            if tokens > 0 and 0 < gap < MAX_STEP_S:
-                self.engine.add(tokens, gap)
-        self._last_step = (now, scheduled_tokens)
+        """A scheduler step begins that scheduled ``scheduled_tokens``; the previous one took
+        until ``step_ended`` (else until now), less kvtier's own waits in it (``kvtier_s`` and
+        ``waited``: loads within the step; lookups before this one): ``StepClock``."""
+        self.steps.waited(kvtier_s)
+        self.steps.started(scheduled_tokens, self._clock() if now is None else now)
+
+    def step_ended(self, now: float | None = None) -> None:
+        """The latest step's output is in: its time ends here, however long the engine then
+        idles before the next."""
+        self.steps.ended(self._clock() if now is None else now)
+
+    def waited(self, seconds: float, lookup: bool = False) -> None:
+        """kvtier held the engine's loop ``seconds``: a lookup, or a load within the step."""
+        self.steps.waited(seconds, lookup)
 
     # ---- the decision -----------------------------------------------------------------------
 

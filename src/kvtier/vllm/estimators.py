@@ -36,6 +36,7 @@ SPREAD = 1.5  # two loads give a slope only if one is this many times the other'
 STEP_WINDOW = 64  # steps remembered, of each kind
 MIN_SAMPLES = 2  # the first loads of a slow store must not be paid for to learn it
 MIN_STEP_TOKENS = 64  # a step with fewer scheduled tokens is a decode step, not a prefill
+MAX_STEP_S = 30.0  # a longer step is an idle engine (a step not seen to end), not a step
 
 
 class RobustFit:
@@ -140,3 +141,41 @@ def middle_mean(values: list[float]) -> float:
     cut = len(ordered) // 4
     middle = ordered[cut : len(ordered) - cut]
     return sum(middle) / len(middle)
+
+
+class StepClock:
+    """Each engine step's time, for ``EngineRate``: from the step's start (the scheduler's
+    ``build_connector_meta``) to its end (``ended``: vLLM asks the scheduler side for its stats
+    once the step's output is in), less kvtier's waits within it (``waited``: loads the forward
+    waited for). A step not seen to end (async scheduling) lasts until the next one starts, less
+    the lookups made before it (``waited(lookup=True)``), and counts only under ``MAX_STEP_S``:
+    an idle engine starts its next step whenever a request comes, and a step ended 20 s before
+    an 1,800-token step's successor made the per-token cost 30x too high."""
+
+    def __init__(self, rate: EngineRate) -> None:
+        self.rate = rate
+        self._last: tuple[float, int] | None = None  # (start, scheduled tokens)
+        self._ended: float | None = None
+        self._in_step_s = self._lookup_s = 0.0
+
+    def waited(self, seconds: float, lookup: bool = False) -> None:
+        if lookup:
+            self._lookup_s += seconds
+        else:
+            self._in_step_s += seconds
+
+    def ended(self, now: float) -> None:
+        if self._last is not None and self._ended is None:
+            self._ended = now
+
+    def started(self, tokens: int, now: float) -> None:
+        if self._last is not None:
+            at, previous = self._last
+            if self._ended is not None:
+                seconds = self._ended - at - self._in_step_s
+            else:
+                seconds = now - at - self._in_step_s - self._lookup_s
+            if previous > 0 and 0 < seconds < MAX_STEP_S:
+                self.rate.add(previous, seconds)
+        self._last, self._ended = (now, tokens), None
+        self._in_step_s = self._lookup_s = 0.0

@@ -119,7 +119,6 @@ class SchedulerSide:
         self._sync_loaded: list[LoadSpec] = []
         self._broken = False
         self.decide = LoadOrRecompute(block_size, settings.load_or_recompute)
-        self._kvtier_wait_s = 0.0  # kvtier's waits in the engine's step since the last one
         self._estimates_at = float("-inf")
         self._decline_log = _DeclineLog()
         # The store's tiers, as the workers were launched with them (the default: one).
@@ -152,7 +151,7 @@ class SchedulerSide:
             stored, tiers = self._lookup(wanted)
             waited_s = time.monotonic() - now  # vLLM's scheduling loop waited
             waited_us = int(waited_s * 1e6)
-            self._kvtier_wait_s += waited_s
+            self.decide.waited(waited_s, lookup=True)
             worth = self.decide.blocks_to_load(stored, tiers)
             kept = _Lookup(first, last, stored, worth, tiers, now, self._in_step(worth, tiers))
             self._lookups[request.request_id] = kept
@@ -223,8 +222,7 @@ class SchedulerSide:
     # ---- each step --------------------------------------------------------------------------
 
     def build_connector_meta(self, so: Any) -> KvtierMetadata:
-        self.decide.step(so.total_num_scheduled_tokens, kvtier_s=self._kvtier_wait_s)
-        self._kvtier_wait_s = 0.0
+        self.decide.step(so.total_num_scheduled_tokens)
         for spec in self._sync_loaded:  # loaded during the previous step's forward
             self._finish_loading(spec.req_id)
         self._sync_loaded = [s for s in self._loads_out if s.sync]
@@ -311,7 +309,7 @@ class SchedulerSide:
                 self.decide.waiting(n, seconds)
             for n, seconds in meta.save_times:
                 self.decide.saved(n, seconds)
-            self._kvtier_wait_s += meta.in_step_wait_s  # the forward waited for kvtier
+            self.decide.waited(meta.in_step_wait_s)  # the forward waited for kvtier
             for h in meta.failed_hashes:  # gone from storage: save it again when computed
                 self._submitted.pop(h, None)
             if meta.failed_hashes:
