@@ -18,6 +18,7 @@ regular files only, one line at most ``MAX_LINE_BYTES``, the fields checked.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -153,20 +154,24 @@ def ideal_hits(requests: list[Request], block_tokens: int, capacity: int | None)
 
 
 def replay(server: Server, requests: list[Request], in_flight: int) -> list[load.Record]:
-    """Each request sent at its time (or as soon as one of ``in_flight`` slots is free)."""
-    start = time.monotonic()
+    """Each request sent at its time, or as soon as one of ``in_flight`` slots is free; its
+    TTFT counts from its time in the trace, so that a wait for a slot is in it (a user's
+    request does not wait less because the server was busy)."""
+    start = time.perf_counter()
     slots = threading.Semaphore(in_flight)
 
     def one(r: Request) -> load.Record:
         try:
-            return load.stream(server, r.prompt, r.output, "trace", False)
+            record = load.stream(server, r.prompt, r.output, "trace", False)
         finally:
             slots.release()
+        first_token_at = record.start + record.ttft_s
+        return dataclasses.replace(record, ttft_s=first_token_at - (start + r.at_s))
 
     with ThreadPoolExecutor(in_flight) as pool:
         futures = []
         for r in requests:
-            time.sleep(max(0.0, r.at_s - (time.monotonic() - start)))
+            time.sleep(max(0.0, r.at_s - (time.perf_counter() - start)))
             slots.acquire()
             futures.append(pool.submit(one, r))
         return [f.result() for f in futures]
@@ -239,6 +244,7 @@ def rows_of(rounds: list[dict], ideal: dict[str, int], prompt_tokens: int) -> li
                 "measure": f"{label}: prefix hit tokens (vLLM's + kvtier's)",
                 "value": hits,
                 "of_prompt_tokens": hits / prompt_tokens,
+                "of_ideal_unbounded": hits / ideal["infinite"] if ideal["infinite"] else None,
                 "of_ideal_lru": hits / ideal["lru"] if ideal["lru"] else None,
                 "kvtier_loaded_tokens": loaded,
             }
@@ -306,11 +312,12 @@ def print_report(args, requests: list[Request], ideal: dict, rounds: list, rows:
                 f"{row['ratio']:7.3f}  {row['goal']}"
             )
         else:
-            share = row["of_ideal_lru"]
+            shares = f"{row['of_ideal_unbounded'] or 0:.2f} x ideal (unbounded)"
+            if capacity:
+                shares += f", {row['of_ideal_lru'] or 0:.2f} x ideal (LRU of {capacity} blocks)"
             print(
                 f"{row['measure']:48} {row['value']:13.0f} = {row['of_prompt_tokens']:.1%} of "
-                f"prompt tokens, {share:.2f} x ideal; kvtier loaded "
-                f"{row['kvtier_loaded_tokens']:.0f}"
+                f"prompt tokens, {shares}; kvtier loaded {row['kvtier_loaded_tokens']:.0f}"
             )
     print(f"completions identical at temperature 0 in {same} of {len(rounds)} rounds")
 
