@@ -257,16 +257,33 @@ def sleep_and_wake(llm, args: dict) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     connector = get_kv_transfer_group()  # this process's worker side (one-process engine)
+    side = connector._worker
+    worker_pid, segment = side.launch.processes[0].pid, side.name
+
+    def mapped() -> bool:
+        """Whether the kvtier worker maps the device cache's segment now (its own maps)."""
+        return segment in Path(f"/proc/{worker_pid}/maps").read_text()
+
+    mapped_before = mapped()
     for _ in range(2):  # idempotent
         connector.unregister_kv_caches()
     with kvtier_client(args) as client:
         asleep = client.control("stats").per_rank[0].data["state"]
+    mapped_asleep = mapped()
     for _ in range(2):
         connector.restore_kv_caches()
     with kvtier_client(args) as client:
         awake = client.control("stats").per_rank[0].data["state"]
     reset(llm)
-    emit("woken", asleep=asleep, awake=awake, **generate(llm, prompts()))
+    generated = generate(llm, prompts())
+    mapped_awake = mapped()
+    emit(
+        "woken",
+        asleep=asleep,
+        awake=awake,
+        mapped=[mapped_before, mapped_asleep, mapped_awake],
+        **generated,
+    )
 
 
 def scenario_restart(args: dict) -> None:

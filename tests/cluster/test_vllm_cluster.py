@@ -275,9 +275,9 @@ def test_a_full_store_evicts_and_its_misses_are_counted_not_errors(cluster, figu
     recomputed with A's tokens; once the store has room again, new saves are hit."""
     a, b = cluster["a"], cluster["b"]
     prompts = [[(37 * i + 41 * j) % 900 + 20 for j in range(700)] for i in range(12)]
-    before_a = a.metrics()
+    before_a, stored_before = a.metrics(), a.saves()
     wants = [a.complete(p) for p in prompts]  # 60 objects of 1 MiB into a 24 MiB segment
-    time.sleep(1)
+    _saves_settled(a)  # answered: stored, or refused while the store is full
     before = b.metrics()
     assert [b.complete(p) for p in prompts] == wants
     moved = _moved(b, before)
@@ -291,6 +291,24 @@ def test_a_full_store_evicts_and_its_misses_are_counted_not_errors(cluster, figu
         failed_loads=moved["vllm:kvtier_failed_tokens_total"],
     )
     figures["hits_back_after_s"] = _hits_come_back(cluster, 43)
+    # More 1 MiB objects were stored than the segment holds: the store evicted (the hits that
+    # came back are of objects stored after it was full).
+    stored = a.saves()[0] - stored_before[0]
+    figures["objects_stored"] = stored
+    assert stored > SMALL_SEGMENT_BYTES >> 20, f"{stored} objects: nothing was evicted"
+
+
+def _saves_settled(server: Server, quiet_s: float = 1.0) -> None:
+    """Wait until ``server``'s workers have answered no new save for ``quiet_s`` (bounded by
+    SAVES_BOUND_S): its saves land after its answers, and a full store refuses some."""
+    deadline = time.monotonic() + SAVES_BOUND_S
+    last, since = server.saves(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the saves never settled"
+        time.sleep(0.2)
+        now = server.saves()
+        if now != last:
+            last, since = now, time.monotonic()
 
 
 def test_the_engines_stop_leaving_nothing(cluster) -> None:

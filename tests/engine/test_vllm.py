@@ -137,6 +137,9 @@ def test_the_sleep_hooks_unmap_and_remap_the_workers_cache(reference, single) ->
     """vLLM 0.33's ``unregister_kv_caches`` / ``restore_kv_caches``, called twice each."""
     woken = single["woken"]
     assert (woken["asleep"], woken["awake"]) == ("sleeping", "running")
+    # The segment itself: mapped by the kvtier worker before, gone from its maps while vLLM
+    # sleeps (not just a state string), mapped again after the wake-up.
+    assert woken["mapped"] == [True, False, True]
     assert woken["tokens"] == reference["reference"]["tokens"]
     assert external_hits(woken) > 0 and woken["delta"]["kvtier_failed_tokens"] == 0
 

@@ -64,12 +64,14 @@ def test_answers_that_come_after_a_call_gave_up_are_dropped(tmp_path) -> None:
     with engine(tmp_path, storage=SLOW_STORE) as (client, caches):
         with pytest.raises(TaskTimeout, match=r"\(lookup\): not answered in time"):
             client.lookup(hashes(1), timeout_s=0.3)
-        # The lookup's late answers arrive while this swap waits on the same connection: the
-        # swap gets its own answer (its blocks), and the next lookup its own count.
+        # The lookup's late answers (0: nothing was stored) arrive while these calls wait on
+        # the same connection: the swap gets its own answer (its blocks), the save (1.5 s on
+        # the slow store) its own, and the next lookup its own count, 1 — a stale answer
+        # taken for it would say 0.
         swapped = client.swap_out([4], [2])
         assert swapped.status is t.Status.OK and swapped.blocks == [4]
-        time.sleep(1.5)  # the late answers are in (or on their way) before the next lookup
-        assert client.lookup(hashes(1), timeout_s=30) == 0
+        assert client.save(hashes(1), [4], timeout_s=30).blocks == [4]
+        assert client.lookup(hashes(1), timeout_s=30) == 1
         assert _lines(client) == 1
 
 
