@@ -197,8 +197,10 @@ def stored_hashes(root: str) -> set:
     return found
 
 
-def events_phase(subscriber: Subscriber, kind: str, want: set) -> dict:
-    """Wait up to 1 s for events of ``kind`` (BlockStored / BlockRemoved) naming ``want``."""
+def events_phase(subscriber: Subscriber, kind: str, want: set, answered_at: float) -> dict:
+    """Wait up to 1 s for events of ``kind`` (BlockStored / BlockRemoved) naming ``want``:
+    ``waited_s`` counts from now (the saves or the update answered, an engine step taken),
+    ``since_answer_s`` from ``answered_at`` (the requests' answers: the saves' own time in it)."""
 
     def named(events) -> set:
         return {h for e in events if e["kind"] == kind for h in e["hashes"]}
@@ -208,6 +210,7 @@ def events_phase(subscriber: Subscriber, kind: str, want: set) -> dict:
         "want": len(want),
         "seen": len(want & named(events)),
         "waited_s": round(waited, 3),
+        "since_answer_s": round(time.monotonic() - answered_at, 3),
         "token_ids": sum(e["token_ids"] for e in events),
         "ownership": sorted({e["ownership"] for e in events}),
     }
@@ -217,18 +220,21 @@ def scenario_single(args: dict) -> None:
     subscriber = Subscriber()
     llm = engine({**args, "kv_events": subscriber.endpoint})
     emit("first", **generate(llm, prompts()))
+    answered_at = time.monotonic()
     reset(llm)
     emit("first_saves", **saves(args))
     root = args["storage"]["root"]
     announced = stored_hashes(root)
-    emit("events_stored", **events_phase(subscriber, "BlockStored", announced))
+    emit("events_stored", **events_phase(subscriber, "BlockStored", announced, answered_at))
     emit("hits", **generate(llm, prompts()))
     with kvtier_client(args) as client:
         assert client.control("update_weights", version="RL-STEP2").code == 200
         reset(llm)
         emit("new_version", **generate(llm, prompts()))
+        answered_at = time.monotonic()
         reset(llm)  # a step after the last save's answer: its news is published
-        emit("events_retired", **events_phase(subscriber, "BlockRemoved", announced))
+        retired = events_phase(subscriber, "BlockRemoved", announced, answered_at)
+        emit("events_retired", **retired)
         # back to the unversioned keys the engine's scheduler side uses: a rollback on purpose
         assert client.control("update_weights", version="", allow_rollback=True).code == 200
     reset(llm)

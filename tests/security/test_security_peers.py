@@ -88,7 +88,7 @@ def _stop(attacker: subprocess.Popen) -> None:
     attacker.wait()
 
 
-def test_reconnecting_peers_cannot_blind_the_metrics_exporter() -> None:
+def test_reconnecting_peers_cannot_blind_the_metrics_exporter(figures) -> None:
     _needs_root()
     from kvtier.worker.metrics import MAX_CONNECTIONS, WorkerMetrics
 
@@ -106,6 +106,7 @@ def test_reconnecting_peers_cannot_blind_the_metrics_exporter() -> None:
             except OSError:
                 pass
             time.sleep(0.05)
+        figures["scrapes_served_of_50"] = served
         assert served >= 48, f"{served} of 50 scrapes served while uid {ATTACKER} held slots"
     finally:
         _stop(attacker)
@@ -124,7 +125,7 @@ def proxy() -> Iterator:
         s.server_close()
 
 
-def test_idle_and_claiming_peers_cannot_block_the_pd_proxy(proxy) -> None:
+def test_idle_and_claiming_peers_cannot_block_the_pd_proxy(proxy, figures) -> None:
     """uid 12345 holds twice the proxy's connections idle and 8 more claiming 16 MB bodies it
     trickles, reconnecting each as it is cut: completions of another user still go through."""
     _needs_root()
@@ -138,6 +139,7 @@ def test_idle_and_claiming_peers_cannot_block_the_pd_proxy(proxy) -> None:
                 served += post(proxy, "/v1/completions", body, timeout_s=5)[0] == 200
             except OSError:
                 pass
+        figures["completions_served_of_40"] = served
         assert served >= 38, f"{served} of 40 completions served while uid {ATTACKER} attacked"
         assert proxy.held.get(f"uid {ATTACKER}", 0) <= 8 * 64 * 1024  # bytes as they came
     finally:
