@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -58,3 +60,19 @@ def post(proxy, path: str, body: bytes, timeout_s: float = 10.0) -> tuple[int, b
         return answer.status, answer.read()
     finally:
         conn.close()
+
+
+@contextmanager
+def proxy_between_upstreams(max_connections: int = 256) -> Iterator[tuple]:
+    """(proxy, producer, consumer): a ``kvtier pd-proxy`` in this process before two stand-ins,
+    all three shut down after."""
+    from kvtier.ops import pd_proxy
+
+    producer, consumer = Upstream("producer"), Upstream("consumer")
+    proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 10.0, max_connections)
+    try:
+        yield proxy, producer, consumer
+    finally:
+        for server in (proxy, producer, consumer):
+            server.shutdown()
+            server.server_close()

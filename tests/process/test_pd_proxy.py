@@ -14,17 +14,13 @@ import time
 import pytest
 
 from kvtier.ops import pd_proxy
-from pd_upstream import Upstream, post
+from pd_upstream import post, proxy_between_upstreams
 
 
 @pytest.fixture
 def pair():
-    producer, consumer = Upstream("producer"), Upstream("consumer")
-    proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 10.0)
-    yield proxy, producer, consumer
-    for server in (proxy, producer, consumer):
-        server.shutdown()
-        server.server_close()
+    with proxy_between_upstreams() as served:
+        yield served
 
 
 def test_the_producer_prefills_one_token_and_the_consumer_answers(pair) -> None:
@@ -116,12 +112,8 @@ def small_proxy(monkeypatch):
     monkeypatch.setattr(pd_proxy, "BODY_GRACE_S", 1.5)
     monkeypatch.setattr(pd_proxy, "MAX_BUFFERED_BYTES", 2 << 20)
     monkeypatch.setattr(pd_proxy, "PARSE_FACTOR", 1)
-    producer, consumer = Upstream("producer"), Upstream("consumer")
-    proxy = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 10.0, max_connections=4)
-    yield proxy
-    for server in (proxy, producer, consumer):
-        server.shutdown()
-        server.server_close()
+    with proxy_between_upstreams(max_connections=4) as (proxy, _, _):
+        yield proxy
 
 
 def test_idle_and_many_connections_cannot_pile_up_threads_or_hold_the_proxy(small_proxy) -> None:

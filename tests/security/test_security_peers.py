@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_upstream import Upstream, post
+from pd_upstream import post, proxy_between_upstreams
 
 ATTACKER = 12345
 
@@ -115,14 +115,8 @@ def test_reconnecting_peers_cannot_blind_the_metrics_exporter(figures) -> None:
 
 @pytest.fixture
 def proxy() -> Iterator:
-    from kvtier.ops import pd_proxy
-
-    producer, consumer = Upstream("producer"), Upstream("consumer")
-    server = pd_proxy.serve(producer.url, consumer.url, "127.0.0.1", 0, 10.0, max_connections=32)
-    yield server
-    for s in (server, producer, consumer):
-        s.shutdown()
-        s.server_close()
+    with proxy_between_upstreams(max_connections=32) as (server, _, _):
+        yield server
 
 
 def test_idle_and_claiming_peers_cannot_block_the_pd_proxy(proxy, figures) -> None:
