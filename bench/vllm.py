@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         model = args.model or str(Path(tmp) / "model")
         if not args.model:
             progress(f"building a random Llama (hidden {args.hidden}) in {model}")
-            _runner("make-model", model, str(args.hidden))
+            _runner("make-model", model, "--hidden", str(args.hidden))
         common = {
             "model": model,
             "prompts": args.prompts,
