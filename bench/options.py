@@ -37,11 +37,11 @@ def copy_arguments(p: argparse.ArgumentParser) -> None:
         "--large: 16,256,2048,4096)",
     )
     p.add_argument("--large", action="store_true", help="the larger sweep (about 17 GiB)")
-    p.add_argument("--layers", type=COUNT, default=8)
-    p.add_argument("--heads", type=COUNT, default=8)
-    p.add_argument("--head-dim", type=COUNT, default=128)
+    p.add_argument("--layers", type=COUNT, default=8, help="layers of the test layout")
+    p.add_argument("--heads", type=COUNT, default=8, help="KV heads of the test layout")
+    p.add_argument("--head-dim", type=COUNT, default=128, help="head size of the test layout")
     p.add_argument("--runs", type=COUNT, default=5, help="timed runs per figure (median)")
-    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--seed", type=SEED, default=0, help="random block ids and bytes")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument(
         "--plot", type=plot_file, metavar="FILE", help="draw GB/s against N beside the limit (PNG)"
@@ -73,10 +73,12 @@ def storage_arguments(p: argparse.ArgumentParser) -> None:
         default=512 << 20,
         help="bytes per timed save/load: 512M, 1G, 4096 (N = this / object size)",
     )
-    p.add_argument("--runs", type=COUNT, default=5)
+    p.add_argument("--runs", type=COUNT, default=5, help="timed runs per figure (median)")
     p.add_argument("--root", default=None, help="file store directory (default: a temp dir)")
-    p.add_argument("--fsync", default="none", choices=["none", "data", "full"])
-    p.add_argument("--io-threads", type=COUNT, default=4)
+    p.add_argument(
+        "--fsync", default="none", choices=["none", "data", "full"], help="the file store's fsync"
+    )
+    p.add_argument("--io-threads", type=COUNT, default=4, help="the file store's I/O threads")
     p.add_argument(
         "--mooncake-master",
         default=None,
@@ -95,7 +97,7 @@ def storage_arguments(p: argparse.ArgumentParser) -> None:
         choices=["off", "on", "both"],
         help="authenticated objects (keyed BLAKE3 MAC): off, on, or both to see the cost",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument(
         "--plot", type=plot_file, metavar="FILE", help="draw GB/s per object size beside raw (PNG)"
     )
@@ -127,7 +129,7 @@ def latency_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seconds", type=float, default=2.0, help="how long lookups/s is measured (default: 2)"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
 
 
 def _count_list(text: str) -> list[int]:

@@ -377,7 +377,8 @@ def test_every_option_of_every_command_says_what_it_does() -> None:
     """``kvtier serve --help`` had 9 options without a word."""
     import argparse
 
-    from kvtier.ops.cli import build_parser
+    from kvtier.ops.cli import _bench_parser, build_parser
+    from kvtier_bench.options import ARGUMENTS
 
     silent = []
 
@@ -390,6 +391,8 @@ def test_every_option_of_every_command_says_what_it_does() -> None:
                 silent.append(" ".join([*path, *action.option_strings[:1]]))
 
     walk(build_parser(), ["kvtier"])
+    for name in ARGUMENTS:  # the benchmarks' own parsers (their options follow `kvtier bench`)
+        walk(_bench_parser(name), ["kvtier", "bench", name])
     assert silent == []
 
 
