@@ -58,6 +58,27 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (this namespace's):
+    a port found free can be taken by another process before the master binds it, and a
+    probe would then reach that process's master (another test's), not this one's."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) > 9 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{row[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds)
+    except OSError:  # gone, or a descriptor closed while looking
+        return False
+
+
 def _guarded_environment(host: str) -> dict[str, str]:
 
     return {**os.environ, BIND_ADDRESS_ENV: host, **bindguard.environment(host)}
@@ -137,9 +158,11 @@ class LocalMaster:
                 )
             try:
                 probe(self.master_address, 0.2)
-                return self
+                if self.netns is not None or _listens(self.process.pid, self.rpc_port):
+                    return self
             except StorageUnavailable:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)  # a free port another process took meanwhile: this one exits
         self.stop()
         raise StorageError(f"mooncake_master did not listen on {self.master_address} in time")
 
