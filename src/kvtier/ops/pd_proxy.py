@@ -239,7 +239,7 @@ class _Handler(BoundedHandler):
             del request
         finally:
             self.server.release(peer, PARSE_FACTOR * len(body))
-        self._relay(self.server.consumer, "POST", bytes(body))
+        self._relay(self.server.consumer, "POST", body)  # bytes-like: sent as it is, not copied
 
     def _upstreams(self) -> tuple[Upstream, Upstream]:
         return self.server.producer, self.server.consumer
@@ -262,7 +262,7 @@ class _Handler(BoundedHandler):
         finally:
             conn.close()
 
-    def _relay(self, upstream: Upstream, method: str, body: bytes | None) -> None:
+    def _relay(self, upstream: Upstream, method: str, body: bytes | bytearray | None) -> None:
         conn = upstream.connect(self.server.timeout_s)
         try:
             conn.request(method, self.path, body, _JSON if body is not None else {})
