@@ -35,11 +35,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvtier import HostPool, KVCacheSpec
-from kvtier.storage import make_backend
+from kvtier.storage import Read, Verify, make_backend
 from kvtier.transport import auth
 from kvtier_bench.common import Timing, emit, log2_axes, progress, save_plot, standalone
 from kvtier_bench.copy import plain_copies
@@ -156,7 +155,6 @@ def _file_loads(args, spec, store, raw: RawFiles) -> list[dict]:
     store.put_from(keys, raw.blocks)
     raw.write(paths)
     os.sync()
-    sums = np.zeros(n, dtype=np.uint64)
     rows = []
     for temp in ("warm", "cold"):
         cold = temp == "cold"
@@ -164,12 +162,16 @@ def _file_loads(args, spec, store, raw: RawFiles) -> list[dict]:
         def load(out, cold=cold):
             if cold:
                 drop_page_cache(store, keys)
-            assert all(store.get_into(keys, raw.targets, out)), "bench storage: a load missed"
+            assert all(store.read(Read(keys, raw.targets, out)).found), (
+                "bench storage: a load missed"
+            )
 
         trials = {
             "raw": Trial(lambda: None, lambda _, cold=cold: raw.read(paths, cold)),
-            f"load_{temp}": Trial(lambda: None, lambda _, f=load: f(None)),
-            f"load_{temp}_deferred": Trial(lambda: None, lambda _, f=load: f(sums)),
+            f"load_{temp}": Trial(lambda: None, lambda _, f=load: f(Verify.HERE)),
+            f"load_{temp}_deferred": Trial(
+                lambda: None, lambda _, f=load: f(Verify.CHECKSUM_BY_CALLER)
+            ),
         }
         rows += _rows("file", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
     return rows
@@ -202,26 +204,25 @@ def _bench_memory(args, spec, pool, n) -> list[dict]:
         rows = _memory_rows(spec, n, _interleaved(trials, args.runs), args.runs)
         keys = _keys(spec, n)
         assert all(store.put_from(keys, blocks))
-        sums = np.zeros(n, dtype=np.uint64)
 
         def load(out):
-            assert all(store.get_into(keys, targets, out)), "bench storage: a load missed"
+            assert all(store.read(Read(keys, targets, out)).found), "bench storage: a load missed"
 
         device_like = torch.zeros(n * spec.block_bytes, dtype=torch.uint8)  # touched
         pieces = device_like_pieces(device_like, spec, n)
 
         def load_scattered():
-            ok = store.get_into_scattered(keys, pieces)
+            ok = store.scattered().get_into_scattered(keys, pieces)
             assert all(ok), "bench storage: a scattered load missed or failed its checksum"
 
         trials = {
             **limits,
-            "load": Trial(lambda: None, lambda _: load(None)),
-            "load_deferred": Trial(lambda: None, lambda _: load(sums)),
+            "load": Trial(lambda: None, lambda _: load(Verify.HERE)),
+            "load_deferred": Trial(lambda: None, lambda _: load(Verify.CHECKSUM_BY_CALLER)),
             "load_scattered": Trial(lambda: None, lambda _: load_scattered()),
         }
         rows += _memory_rows(spec, n, _interleaved(trials, args.runs), args.runs)
-        load(None)
+        load(Verify.HERE)
         assert torch.equal(pool.slab[:n], pool.slab[n : 2 * n]), (
             "bench storage: loaded bytes differ"
         )
@@ -251,18 +252,19 @@ def _bench_mooncake(args, spec, pool, n, remote: bool) -> list[dict]:
         keys, raw_keys = _keys(spec, n), _keys(spec, n)
         assert all(store.put_from(keys, raw.blocks))
         raw.put(raw_keys)
-        sums = np.zeros(n, dtype=np.uint64)
 
         def load(out):
-            assert all(store.get_into(keys, raw.targets, out)), "bench storage: a load missed"
+            assert all(store.read(Read(keys, raw.targets, out)).found), (
+                "bench storage: a load missed"
+            )
 
         trials = {
             "raw": Trial(lambda: None, lambda _: raw.get(raw_keys)),
-            "load": Trial(lambda: None, lambda _: load(None)),
-            "load_deferred": Trial(lambda: None, lambda _: load(sums)),
+            "load": Trial(lambda: None, lambda _: load(Verify.HERE)),
+            "load_deferred": Trial(lambda: None, lambda _: load(Verify.CHECKSUM_BY_CALLER)),
         }
         rows += _rows(name, spec, n, _interleaved(trials, args.runs), "raw", args.runs)
-        load(None)
+        load(Verify.HERE)
         assert torch.equal(pool.slab[:n], pool.slab[n:]), "bench storage: loaded bytes differ"
         raw.remove(keys + raw_keys)
     finally:

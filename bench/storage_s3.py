@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.storage import make_backend
+from kvtier.storage import Read, Verify, make_backend
 from kvtier.storage.s3.local import LocalS3Server
 from kvtier_bench.common import progress
 from kvtier_bench.storage_trials import Trial, _interleaved, _keys, _rows, _save_trials
@@ -101,18 +101,17 @@ def _measure(args, spec, pool, n, store) -> list[dict]:
     keys, raw_names = _keys(spec, n), raw.names()
     assert all(store.put_from(keys, blocks)), "bench storage: an s3 save failed"
     raw.put(raw_names)
-    sums = np.zeros(n, dtype=np.uint64)
 
     def load(out):
-        assert all(store.get_into(keys, targets, out)), "bench storage: an s3 load missed"
+        assert all(store.read(Read(keys, targets, out)).found), "bench storage: an s3 load missed"
 
     trials = {
         "raw": Trial(lambda: None, lambda _: raw.get(raw_names)),
-        "load": Trial(lambda: None, lambda _: load(None)),
-        "load_deferred": Trial(lambda: None, lambda _: load(sums)),
+        "load": Trial(lambda: None, lambda _: load(Verify.HERE)),
+        "load_deferred": Trial(lambda: None, lambda _: load(Verify.CHECKSUM_BY_CALLER)),
     }
     rows += _rows("s3", spec, n, _interleaved(trials, args.runs), "raw", args.runs)
-    load(None)
+    load(Verify.HERE)
     assert torch.equal(pool.slab[:n], pool.slab[n : 2 * n]), "bench storage: s3 bytes differ"
     store.delete(keys)
     raw.remove(raw_names)

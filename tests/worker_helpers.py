@@ -13,6 +13,7 @@ from kvtier.engine.client import Client
 from kvtier.layout.keys import block_hashes
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory.device import DeviceCache, cache_name
+from kvtier.storage import Read, ReadResult
 from kvtier.storage.memory.store import MemoryStore
 
 WSPEC = KVCacheSpec(
@@ -31,7 +32,8 @@ class HostBlocksOnlyStore(MemoryStore):
     (as it does for Mooncake), which the plain memory store never exercises; under a memory
     tier, a chain like memory over Mooncake."""
 
-    supports_scattered_reads = False
+    def scattered(self) -> None:
+        return None
 
 
 class PeerWritableStore(HostBlocksOnlyStore):
@@ -62,9 +64,9 @@ class PeerWritableStore(HostBlocksOnlyStore):
             self._store(key, header + host_block.numpy().tobytes(), sound=True)
         return self._count_puts([True] * len(keys))
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        got = super().get_into(keys, host_blocks, checksums_out, headers_out)
-        for key, host_block, ok in zip(keys, host_blocks, got):
+    def read(self, request: Read) -> ReadResult:
+        got = super().read(request)
+        for key, host_block, ok in zip(request.keys, request.host_blocks, got.found):
             if ok and self.peer is not None:
                 self.peer(key, host_block)
         return got

@@ -338,10 +338,10 @@ def test_a_peer_writing_a_workers_staging_gets_none_of_its_bytes_in(master, tmp_
         fill_random(cache, 5)
         path, keys = DataPath(cache, pool, layout, store), KeyScheme("a", WSPEC.fingerprint, 0, "")
         target = pool.block(int(layout.load_staging[1])).data_ptr()
-        get_into, attacks = store.get_into, []
+        read, attacks = store.read, []
 
-        def fetched_then_written(*args):
-            got = get_into(*args)
+        def fetched_then_written(request):
+            got = read(request)
             peer = [master.metadata_server, store._store.get_hostname(), str(target)]
             done = subprocess.run([sys.executable, "-c", _PEER_WRITE, *peer], timeout=60)
             attacks.append(done.returncode)
@@ -354,10 +354,10 @@ def test_a_peer_writing_a_workers_staging_gets_none_of_its_bytes_in(master, tmp_
             pool.block(i).copy_(torch.from_numpy(np.full(WSPEC.block_bytes, 40 + i, np.uint8)))
         hosted = hashes(3, seed=44)
         assert path.run(t.SaveHost(block_hashes=hosted, host_block_ids=[0, 1, 2]), keys).blocks
-        store.get_into = fetched_then_written
+        store.read = fetched_then_written
         loaded = path.run(t.Load(block_hashes=h, device_block_ids=[20, 21, 22]), keys)
         host = path.run(t.LoadHost(block_hashes=hosted, host_block_ids=[4, 5, 6]), keys)
-        store.get_into = get_into
+        store.read = read
         assert attacks == [0, 0]  # the peer's writes went through both times
         assert loaded.blocks == [20] and same(block(cache, 20), want[0])
         assert not any(torch.all(piece[:64] == 0xAB) for piece in block(cache, 21))

@@ -1,5 +1,6 @@
 """A storage backend that lives outside the kvtier package, written against its public storage
-API only (``kvtier.storage.base`` and the object format), and named in configuration alone::
+API only (``kvtier.storage``: the interface, the helper base ``ObjectStore`` and the object
+format), and named in configuration alone::
 
     {"backend": "outside", "module": "outside_store"}
 
@@ -21,8 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ConfigError, ObjectCorrupt
-from kvtier.storage.base import StorageBackend, StorageUsage
-from kvtier.storage.format import HEADER_BYTES
+from kvtier.storage import HEADER_BYTES, ObjectStore, Read, ReadResult, StorageUsage
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,12 @@ def parse_options(data: Mapping[str, Any]) -> OutsideConfig:
     return OutsideConfig(Path(data["root"]))
 
 
-def open_backend(spec, options: OutsideConfig, mac_key: bytes | None) -> StorageBackend:
+def open_backend(spec, options: OutsideConfig, mac_key: bytes | None) -> ObjectStore:
     return OutsideStore(spec, options.root, mac_key)
 
 
-class OutsideStore(StorageBackend):
+class OutsideStore(ObjectStore):
     kind = "outside"
-    supports_scattered_reads = False
     exposes_registered_memory = False
     persistent = True
 
@@ -63,14 +62,11 @@ class OutsideStore(StorageBackend):
                 return n
         return len(keys)
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
-        results = []
-        for i, (key, block) in enumerate(zip(keys, host_blocks)):
+    def _read(self, request: Read, result: ReadResult) -> None:
+        for i, (key, block) in enumerate(zip(request.keys, request.host_blocks)):
             data = self.read_object(key)
             if data is None:
-                results.append(False)
-                continue
+                continue  # a miss: ``result.found[i]`` stays False
             try:
                 if len(data) != self.object_bytes:
                     raise ObjectCorrupt(f"object is {len(data)} bytes")
@@ -79,18 +75,16 @@ class OutsideStore(StorageBackend):
                     view[:HEADER_BYTES],
                     view[HEADER_BYTES:],
                     key,
-                    checksums_out,
+                    result.checksums,  # None: checked here; else the caller checks the payload
                     i,
-                    headers_out=headers_out,
+                    headers_out=result.headers,
                 )
             except ObjectCorrupt as e:
                 self._corrupt(key, e)
                 self.delete([key])
-                results.append(False)
                 continue
             block.numpy()[:] = np.frombuffer(data, dtype=np.uint8, offset=HEADER_BYTES)
-            results.append(True)
-        return self._count_gets(results)
+            result.found[i] = True
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)

@@ -166,8 +166,8 @@ def datapath(request):
         assert path.route.name == (
             "direct" if mixed else "staged" if "-" in request.param else request.param
         )
-        assert (getattr(path.route, "rest", None) is not None) == mixed
-        staged = path.route.rest if mixed else path.route
+        assert (getattr(path.route, "below", None) is not None) == mixed
+        staged = path.route.below if mixed else path.route
         if isinstance(staged, StagedRoute):
             assert staged.peers_write_staging == request.param.startswith("peer")
         if isinstance(staged, StagedRoute):  # where peers write the staging: private blocks
@@ -198,8 +198,8 @@ def test_a_chain_loads_its_top_tiers_blocks_directly_and_the_rest_through_stagin
         assert below.exists_prefix(keys.keys(h)) == 6
         store.tiers[0].delete(keys.keys(h[2:5]))  # only the tier below holds blocks 2-4
         reads = []
-        get_into = below.get_into
-        below.get_into = lambda ks, *a: reads.append(len(ks)) or get_into(ks, *a)
+        read = below.read
+        below.read = lambda request: reads.append(len(request.keys)) or read(request)
         dev = [20, 21, 22, 23, 24, 25]
         loaded = path.run(t.Load(block_hashes=h, device_block_ids=dev), keys)
         assert loaded.status is t.Status.OK and loaded.blocks == dev
@@ -347,13 +347,13 @@ def test_a_task_past_its_cutoff_leaves_its_device_blocks_alone_on_either_route(d
     with pytest.raises(DeadlinePassed):
         path.run(load, keys, passed)
     if path.route.name == "staged":
-        get_into = path.storage.get_into
+        read = path.storage.read
 
-        def slow_get_into(*args):  # the store answers after the cutoff
+        def slow_read(request):  # the store answers after the cutoff
             time.sleep(0.3)
-            return get_into(*args)
+            return read(request)
 
-        path.storage.get_into = slow_get_into
+        path.storage.read = slow_read
         with pytest.raises(DeadlinePassed, match="after its transfer from the store"):
             path.run(load, keys, time.monotonic() + 0.1)
     assert all(same(block(cache, 20 + i), before[i]) for i in range(4))
@@ -388,7 +388,7 @@ def _peer_store(datapath):
     where the staging is private."""
     path, cache, keys = datapath
     chain = isinstance(path.storage, TieredStore)
-    staged = path.route.rest if chain else path.route
+    staged = path.route.below if chain else path.route
     if not getattr(staged, "peers_write_staging", False):
         pytest.skip("this store's staging is private memory")
     store = path.storage

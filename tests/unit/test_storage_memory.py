@@ -11,7 +11,7 @@ import pytest
 from kvtier import KVCacheSpec
 from kvtier.layout.checksum import payload_checksum
 from kvtier.memory.host import HostPool
-from kvtier.storage import make_backend
+from kvtier.storage import Read, Verify, make_backend
 from kvtier.storage.format import ObjectFormat
 from kvtier.storage.memory.arena import ArenaStore
 from kvtier.storage.memory.store import MemoryStore
@@ -174,9 +174,9 @@ def test_a_memory_stores_own_objects_load_without_the_mac_planted_ones_with_it(b
         with spy as check_mac:
             targets = [[memoryview(bytearray(CONTRACT_SPEC.block_bytes))] for _ in keys]
             assert store.get_into_scattered(keys, targets) == [True] * 3
-            sums = np.zeros(3, dtype=np.uint64)
             blocks = [pool.block(4 + i) for i in range(3)]
-            assert store.get_into(keys, blocks, checksums_out=sums) == [True] * 3
+            read = Read(keys, blocks, Verify.CHECKSUM_BY_CALLER)
+            assert store.read(read).found == [True] * 3
             assert check_mac.call_count == 0
         assert [bytes(t[0]) for t in targets] == want
         assert [bytes(b.numpy()) for b in blocks] == want

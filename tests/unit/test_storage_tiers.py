@@ -104,7 +104,7 @@ def test_a_block_loaded_from_below_is_promoted_and_then_served_from_memory(tmp_p
         assert chain.prefix_tiers(keys[:2]) == (2, bytes([0, 1]))
         hits_below = below.stats.hits
         assert _get(chain, pool, keys) == [True] * 4
-        assert below.stats.hits == hits_below + 2 and chain.promotions == 2
+        assert below.stats.hits == hits_below + 2 and chain.promotion.count == 2
         assert top.exists_prefix(keys) == 4  # promoted
         assert _get(chain, pool, keys) == [True] * 4
         assert below.stats.hits == hits_below + 2  # the second load: memory only
@@ -255,12 +255,13 @@ def test_a_workers_stats_status_and_metrics_show_each_tier(tmp_path) -> None:
 
 
 def test_a_chain_reads_scattered_from_its_top_tier_and_stops_where_only_below_holds(pool):
-    """Memory over a tier without scattered reads: ``get_into_scattered`` answers the blocks
+    """Memory over a tier without scattered reads: the chain's ``scattered()`` answers the blocks
     the top tier holds and stops, target untouched, at one only the tier below holds (the
     worker reads that one through host blocks); a scattered save with the top tier down has
     nowhere to go and says so."""
     chain = TieredStore([MemoryStore(CONTRACT_SPEC), HostBlocksOnlyStore(CONTRACT_SPEC)])
-    assert chain.reads_scattered_on_top and not chain.supports_scattered_reads
+    io = chain.scattered()
+    assert io is not None and not io.covers_all
     keys = make_keys(3)
     assert _put(chain, pool, keys) == [True] * 3
     assert chain.writer is not None and chain.writer.flush(30) == 0
@@ -269,7 +270,7 @@ def test_a_chain_reads_scattered_from_its_top_tier_and_stops_where_only_below_ho
     targets = [[bytearray(nbytes // 2), bytearray(nbytes // 2)] for _ in keys]
     for t in targets[1]:
         t[:] = b"\xee" * len(t)
-    assert chain.get_into_scattered(keys, targets) == [True, False, False]
+    assert io.get_into_scattered(keys, targets) == [True, False, False]
     assert bytes(targets[0][0] + targets[0][1]) == expected_block(keys[0], nbytes).numpy().tobytes()
     assert all(set(t) == {0xEE} for t in targets[1])
     assert (chain.stats.hits, chain.stats.misses) == (1, 0)  # the caller reads on (below)
@@ -277,7 +278,7 @@ def test_a_chain_reads_scattered_from_its_top_tier_and_stops_where_only_below_ho
     assert (chain.stats.hits, chain.stats.misses) == (4, 0)
     chain.health.down(0, StorageUnavailable("test: the top tier is down"))
     with pytest.raises(StorageUnavailable, match="pieces is unavailable"):
-        chain.put_from_scattered(make_keys(1), [[bytearray(nbytes)]])
+        io.put_from_scattered(make_keys(1), [[bytearray(nbytes)]])
     chain.close()
 
 

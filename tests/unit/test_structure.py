@@ -226,7 +226,6 @@ def test_the_storage_contract_is_written_where_readers_look() -> None:
 
     import pytest
 
-    from kvtier.layout.spec import KVCacheSpec
     from kvtier.storage.base import StorageBackend
 
     undocumented = [
@@ -235,17 +234,17 @@ def test_the_storage_contract_is_written_where_readers_look() -> None:
         if not inspect.getdoc(getattr(StorageBackend, name))
     ]
     assert undocumented == []
-    capabilities = {"supports_scattered_reads", "exposes_registered_memory", "persistent"}
+    capabilities = {"exposes_registered_memory", "persistent"}
     assert capabilities <= StorageBackend.__abstractmethods__
 
     class Silent(StorageBackend):  # implements the data contract, states no capability
         kind = "silent"
-        exists_prefix = get_into = put_from = delete = usage = None  # type: ignore[assignment]
-        read_object = write_object = None  # type: ignore[assignment]
+        exists_prefix = read = put_from = delete = usage = None  # type: ignore[assignment]
+        read_object = write_object = found_corrupt = None  # type: ignore[assignment]
+        report_corrupt = watch_removals = None  # type: ignore[assignment]
 
-    spec = KVCacheSpec(num_layers=1, num_blocks=2, num_kv_heads=1, block_size=4, head_dim=8)
     with pytest.raises(TypeError, match="persistent"):
-        Silent(spec)
+        Silent()
 
 
 def test_the_docs_name_only_what_exists() -> None:

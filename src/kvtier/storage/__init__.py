@@ -23,15 +23,31 @@ from kvtier.transport import auth
 
 if TYPE_CHECKING:
     from kvtier.layout.spec import KVCacheSpec
-    from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
+    from kvtier.storage.base import (
+        Promotes,
+        Read,
+        ReadResult,
+        ScatteredIO,
+        StorageBackend,
+        StorageStats,
+        StorageUsage,
+        Verify,
+    )
+    from kvtier.storage.object_store import ObjectStore
 
 __all__ = [
     "BackendConfig",
     "ChainConfig",
+    "ObjectStore",
+    "Promotes",
+    "Read",
+    "ReadResult",
+    "ScatteredIO",
     "StorageBackend",
     "StorageConfig",
     "StorageStats",
     "StorageUsage",
+    "Verify",
     "describe_backend",
     "read_mac_key",
     "make_backend",
@@ -46,6 +62,12 @@ __all__ = [
 # (tests/unit/test_structure.py): a backend's modules are its own to reshape.
 _LAZY = {
     "StorageBackend": "kvtier.storage.base",
+    "Read": "kvtier.storage.base",
+    "ReadResult": "kvtier.storage.base",
+    "Verify": "kvtier.storage.base",
+    "ScatteredIO": "kvtier.storage.base",
+    "Promotes": "kvtier.storage.base",
+    "ObjectStore": "kvtier.storage.object_store",
     "StorageStats": "kvtier.storage.base",
     "StorageUsage": "kvtier.storage.base",
     "HEADER_BYTES": "kvtier.storage.format",

@@ -1,4 +1,10 @@
-"""StorageBackend: the batch-first contract every storage tier implements.
+"""StorageBackend: the batch-first contract every storage tier implements — the interface only.
+
+What a backend shares with the others (format, counters, the corrupt keys a load asks about,
+the removal listener, argument checks) is the helper base ``kvtier.storage.object_store``; a
+store that wraps another (the fault injector, a tier chain) is a ``kvtier.storage.wrappers.
+delegating.Delegating``. Optional capabilities are Protocols a route requires by type
+(``ScatteredIO``, ``Promotes``), offered by ``scattered()`` and ``promoter()``.
 
 Contract (implementations do not repeat it):
 
@@ -8,7 +14,8 @@ Contract (implementations do not repeat it):
   and writes them during ``get_into`` and keeps no reference afterwards. ``get_into`` may
   scribble on the block of a key it reports False: callers use only blocks reported True.
 - ``exists_prefix(keys)`` -> how many *leading* keys are stored (stops at the first hole).
-- ``get_into(keys, host_blocks)`` -> one bool per key: True iff that block now holds exactly the
+- ``read(Read(keys, host_blocks))`` -> a ``ReadResult`` whose ``found`` has one bool per key
+  (``get_into(keys, host_blocks)``: that list): True iff that block now holds exactly the
   bytes that were stored. Missing, evicted, truncated, corrupted (checksum), written under
   another layout (fingerprint) or under another key: False — a miss, never wrong data. A
   detected bad object is counted in ``stats.corrupt``, logged once and removed. Callers take
@@ -19,29 +26,32 @@ Contract (implementations do not repeat it):
 - Checksums from the copy: ``put_from(..., checksums=[...])`` takes each block's XXH3-64 when
   the caller already knows it (``HostPool.known_checksums``, recorded by the copier while it wrote
   the block; ``None`` entries are hashed here), saving a pass over the bytes.
-  ``get_into(..., checksums_out=array)`` checks every header field but *not* the payload: a True
-  then means "fetched, header valid, payload unverified", and the stored payload checksum is
-  written to ``checksums_out[i]``. The caller must verify the bytes before use (the worker does
-  it inside the host->device copy with ``BlockCopier.swap_in_verified``) and report a mismatch
-  with ``report_corrupt``.
+  ``read(Read(..., verify=Verify.CHECKSUM_BY_CALLER))`` checks every header field but *not* the
+  payload: a True then means "fetched, header valid, payload unverified", and the stored payload
+  checksum is in ``ReadResult.checksums[i]``. The caller must verify the bytes before use (the
+  worker does it inside the host->device copy with ``BlockCopier.swap_in_verified``) and report
+  a mismatch with ``report_corrupt``.
 - Bytes in memory a peer can write. Mooncake's transfer engine lets any peer write registered
   memory, so a check made there proves nothing about the bytes a later copy reads.
-  ``get_into(..., checksums_out=..., headers_out=[None] * n)`` leaves the MAC to the caller as
-  well: each True has a private copy of the header it checked in ``headers_out[i]``, and the
+  ``Verify.ALL_BY_CALLER`` leaves the MAC to the caller as well: each True has a private copy
+  of the header it checked in ``ReadResult.headers[i]``, and the
   caller copies the payload out of the registered memory first and then checks it where it
   lies with ``format.check_deferred`` (the MAC; the checksum where objects are not
-  authenticated). A tier chain then promotes nothing itself: the caller calls
-  ``promote(keys, sources)`` with the verified bytes (``kvtier.worker.routes``).
+  authenticated). A tier chain then promotes nothing itself: the caller hands the verified
+  bytes to its ``promoter()`` (``kvtier.worker.routes``).
+- ``Read(..., counted=False)``: a store's own read (a chain's writer reading back what it
+  writes down), left out of the hit and miss counters, which count the engine's reads.
   Saves likewise: ``put_from(..., originals=...)`` names, per key, the same payload where no
   peer can write it (pieces, in order: a CPU device block, a private host block). The object's
   checksum and MAC are made over the originals, never over the registered block, and a backend
   that copies the payload anyway copies it from them; only a transfer that needs registered
   memory (Mooncake's) reads the host block. A peer that writes it meanwhile makes an object
   that fails its checks — a miss later, never its bytes under a valid MAC.
-- ``get_into_scattered(keys, targets)`` (backends with ``supports_scattered_reads``): like
-  ``get_into``, but each key's payload lands in ``targets[i]``, a list of writable buffers
-  filled in order (a CPU device block's per-layer pieces): one copy from storage straight into
-  the engine's cache, verified right after it (while the bytes are still in the CPU cache).
+- ``scattered().get_into_scattered(keys, targets)`` (where ``scattered()`` is not None: a
+  ``ScatteredIO``): like ``get_into``, but each key's payload lands in ``targets[i]``, a list of
+  writable buffers filled in order (a CPU device block's per-layer pieces): one copy from
+  storage straight into the engine's cache, verified right after it (while the bytes are still
+  in the CPU cache).
   True: the target holds exactly the stored object. False: missing (target untouched) or it
   failed a check — then the target is zeroed, so bytes that failed never stay there. Reads stop
   at the first False (the caller uses the leading run only): later keys are False and their
@@ -69,7 +79,7 @@ move bytes to and from device memory themselves (the closed AttentionStore SDK o
 kvtier replaces did this). Such a backend plugs in behind this same interface: it derives its
 own address from the key (``KeyScheme.key`` carries the chained block hash, which identifies the
 token prefix exactly; a worker can pass token ids alongside through its task), implements
-``exists_prefix`` as its prefix-match query, and implements ``get_into`` / ``put_from`` on the host
+``exists_prefix`` as its prefix-match query, and implements ``read`` / ``put_from`` on the host
 block views. A store that can only read/write device memory directly subclasses this ABC and
 overrides ``register_host_pool`` to receive the HostPool (and the DeviceCache through the worker)
 so its SDK can target device addresses; the worker still answers with the prefix the backend
@@ -79,28 +89,23 @@ requires that a False never becomes a True.
 
 from __future__ import annotations
 
-import logging
+import enum
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from kvtier.errors import ObjectCorrupt, StorageError
-from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage.format import HEADER_BYTES, ObjectFormat
+if TYPE_CHECKING:
+    from kvtier.layout.spec import KVCacheSpec
+    from kvtier.storage.format import ObjectFormat
 
 # Called with where a read stands before it writes an object into its targets; raises to stop it
 # (``get_into_scattered``'s ``go_on``: the worker's deadline check).
 GoOn = Callable[[str], None]
-
-# Bad keys kept for a load to ask about (it asks at once: a few suffice; bounded all the same).
-REMEMBERED_CORRUPT_KEYS = 1024
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,56 +136,108 @@ class StorageStats:
         return {k: v for k, v in vars(self).items() if k != "lock"}
 
 
+# ---- reads: one request type, one result type --------------------------------------------------
+
+
+class Verify(enum.Enum):
+    """Who checks a read's payload (the module docstring)."""
+
+    HERE = "here"  # the backend: True means the block holds exactly the stored bytes
+    CHECKSUM_BY_CALLER = "checksum"  # header checked; the payload checksum goes to the caller
+    ALL_BY_CALLER = "all"  # header checked; checksum, MAC and a private header to the caller
+
+
+@dataclass(frozen=True)
+class Read:
+    """Fill ``host_blocks[i]`` with ``keys[i]``'s payload, checked as ``verify`` says;
+    ``counted``: False for a store's own read (not the engine's: left out of hits and misses)."""
+
+    keys: Sequence[str]
+    host_blocks: Sequence[torch.Tensor]
+    verify: Verify = Verify.HERE
+    counted: bool = True
+
+
+@dataclass
+class ReadResult:
+    """What a ``Read`` found: ``found[i]`` (module docstring); where the caller verifies,
+    ``checksums[i]`` (the stored payload checksum) and, with ``Verify.ALL_BY_CALLER``,
+    ``headers[i]`` (a private copy of the header checked) for each True."""
+
+    found: list[bool]
+    checksums: np.ndarray | None = None
+    headers: list[bytes | None] | None = None
+
+    @classmethod
+    def empty(cls, request: Read) -> ReadResult:
+        """Nothing found yet, with room for what ``request.verify`` hands back."""
+        n = len(request.keys)
+        by_caller = request.verify is not Verify.HERE
+        return cls(
+            [False] * n,
+            np.zeros(n, dtype=np.uint64) if by_caller else None,
+            [None] * n if request.verify is Verify.ALL_BY_CALLER else None,
+        )
+
+    @property
+    def leading(self) -> int:
+        """How many leading keys were found (callers use that run only)."""
+        return self.found.index(False) if False in self.found else len(self.found)
+
+
+# ---- capabilities a route requires by type -----------------------------------------------------
+
+
+@runtime_checkable
+class ScatteredIO(Protocol):
+    """Objects read straight into (and written from) a CPU device block's pieces: one copy
+    instead of two (module docstring). ``covers_all``: whether every object of the store is
+    reachable this way; False (a chain whose lower tiers read into host blocks only): a short
+    read may have stopped at an object held where only ``read`` reaches."""
+
+    @property
+    def covers_all(self) -> bool: ...
+
+    def get_into_scattered(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Sequence[memoryview]],
+        go_on: GoOn | None = None,
+    ) -> list[bool]: ...
+
+    def put_from_scattered(
+        self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]
+    ) -> list[bool]: ...
+
+
+@runtime_checkable
+class Promotes(Protocol):
+    """A store that keeps what was loaded from its slower parts in its faster ones (a tier
+    chain), given the bytes once the caller verified them: ``sources[i]`` is ``keys[i]``'s
+    payload in pieces, after a read with ``Verify.ALL_BY_CALLER``."""
+
+    def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None: ...
+
+
+# ---- the interface -----------------------------------------------------------------------------
+
+
 class StorageBackend(ABC):
     """One storage tier. See the module docstring for the contract."""
 
-    kind: str = "abstract"
+    kind: ClassVar[str] = "abstract"
     # ``exists_prefix`` answers from this process's memory in microseconds (no I/O, no lock
     # held across I/O): a worker then answers lookups on its loop thread, with no hand-off.
     quick_lookups: bool = False
 
-    def __init__(self, spec: KVCacheSpec, mac_key: bytes | None = None) -> None:
-        self.spec = spec
-        self.fingerprint = spec.fingerprint
-        self.format = ObjectFormat(spec.fingerprint, mac_key)
-        self.payload_bytes = spec.block_bytes
-        self.object_bytes = HEADER_BYTES + spec.block_bytes
-        self.stats = StorageStats()
-        self._found_corrupt: OrderedDict[str, None] = OrderedDict()  # until a load asks
-        self._removal_listener: Callable[[list[str]], None] | None = None
+    # What every store names (``ObjectStore`` sets them; a wrapper has its inner store's).
+    spec: KVCacheSpec
+    format: ObjectFormat  # how objects are laid out and checked (fingerprint, MAC key)
+    stats: StorageStats
+    payload_bytes: int  # a block's bytes
+    object_bytes: int  # a stored object's: header and payload
 
-    # ---- removals the backend decides itself ---------------------------------------------------
-
-    def watch_removals(self, listener: Callable[[list[str]], None]) -> None:
-        """Tell ``listener`` the keys of objects this backend evicts for capacity, where it
-        knows them (the file and memory stores; Mooncake evicts inside its master, unseen).
-        Called on the thread that evicted, after the objects are gone; must not block."""
-        self._removal_listener = listener
-
-    def _evicted(self, keys: list[str]) -> None:
-        if keys and self._removal_listener is not None:
-            self._removal_listener(keys)
-
-    @property
-    def wrapped(self) -> StorageBackend:
-        """The backend under any wrappers (the fault injector): itself for a backend."""
-        return self
-
-    # ---- capabilities: every backend states them -------------------------------------------
-
-    @property
-    @abstractmethod
-    def supports_scattered_reads(self) -> bool:
-        """Whether ``get_into_scattered`` / ``put_from_scattered`` work: objects read straight
-        into (and written from) a CPU device block's pieces, one copy instead of two."""
-
-    @property
-    def reads_scattered_on_top(self) -> bool:
-        """Whether ``get_into_scattered`` / ``put_from_scattered`` work for the objects this
-        store serves first: a tier chain whose top tier reads scattered over one that does not
-        (memory over Mooncake) answers a block held only below as not found, for the caller to
-        read through host blocks (``kvtier.worker.routes``). One backend: its own capability."""
-        return self.supports_scattered_reads
+    # ---- capabilities ------------------------------------------------------------------------
 
     @property
     @abstractmethod
@@ -195,7 +252,22 @@ class StorageBackend(ABC):
         """Whether objects outlive the process that stored them (the file store: on disk;
         Mooncake: while its cluster runs; the memory store: no)."""
 
-    # ---- the contract (module docstring) -----------------------------------------------------
+    def scattered(self) -> ScatteredIO | None:
+        """Reads and writes of a CPU device block's pieces, where this store has them (the
+        file and memory stores; a chain whose top tier has them); None: host blocks only."""
+        return None
+
+    def promoter(self) -> Promotes | None:
+        """Who takes verified bytes after a ``Verify.ALL_BY_CALLER`` read (a tier chain);
+        None: nothing to do with them."""
+        return None
+
+    @property
+    def wrapped(self) -> StorageBackend:
+        """The backend under any wrappers (the fault injector): itself for a backend."""
+        return self
+
+    # ---- data ----------------------------------------------------------------------------------
 
     @abstractmethod
     def exists_prefix(self, keys: Sequence[str]) -> int:
@@ -213,18 +285,13 @@ class StorageBackend(ABC):
         return self.exists_prefix(keys), b""
 
     @abstractmethod
-    def get_into(
-        self,
-        keys: Sequence[str],
-        host_blocks: Sequence[torch.Tensor],
-        checksums_out: np.ndarray | None = None,
-        headers_out: list[bytes | None] | None = None,
-    ) -> list[bool]:
-        """Fill ``host_blocks[i]`` with ``keys[i]``'s payload; one bool per key, True iff the
-        block holds exactly the stored bytes (verified; with ``checksums_out``: header checked,
-        payload checksum written there for the caller to verify; with ``headers_out`` too, the
-        MAC left to the caller, see the module docstring). A miss is False, never an
-        exception; a detected bad object is counted, logged once and removed."""
+    def read(self, request: Read) -> ReadResult:
+        """Fill the request's host blocks with its keys' payloads (module docstring). A miss is
+        False, never an exception; a detected bad object is counted, logged once and removed."""
+
+    def get_into(self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """``read`` verified here: one bool per key, True iff the block holds the stored bytes."""
+        return self.read(Read(keys, host_blocks)).found
 
     @abstractmethod
     def put_from(
@@ -238,35 +305,6 @@ class StorageBackend(ABC):
         caller knows it; ``originals[i]``: the same bytes where no peer can write them, see the
         module docstring); one bool per key, True iff the object is now stored (an existing key
         is kept as it is). A failed or interrupted put is never visible to readers."""
-
-    def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None:  # noqa: B027
-        """Bytes the caller verified after a ``get_into(..., headers_out=...)`` (``sources[i]``:
-        ``keys[i]``'s payload in pieces): a tier chain puts those it loaded from below into
-        its top tier. One backend: nothing to do."""
-
-    def get_into_scattered(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[Sequence[memoryview]],
-        go_on: GoOn | None = None,
-    ) -> list[bool]:
-        """See the module docstring; only where ``supports_scattered_reads``."""
-        raise NotImplementedError(f"the {self.kind} backend reads into host blocks only")
-
-    def put_from_scattered(
-        self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]
-    ) -> list[bool]:
-        """See the module docstring; only where ``supports_scattered_reads``."""
-        raise NotImplementedError(f"the {self.kind} backend writes from host blocks only")
-
-    def _check_scattered(self, keys: Sequence[str], targets, sizes: bool = True) -> None:
-        """``sizes=False``: the lengths only (a tier chain, whose first live tier is handed
-        every target and checks their sizes itself)."""
-        if len(keys) != len(targets):
-            raise StorageError(f"{len(keys)} keys but {len(targets)} targets")
-        for i, views in enumerate(targets if sizes else ()):
-            if sum(map(len, views)) != self.payload_bytes:  # map: no Python frame per view
-                raise StorageError(f"target {i} holds {sum(map(len, views))} bytes")
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> int:
@@ -286,23 +324,28 @@ class StorageBackend(ABC):
         """Store raw bytes under ``key``, replacing what is there (bypasses immutability on
         purpose: fault injection and repair tools)."""
 
+    # ---- bad objects and removals --------------------------------------------------------------
+
+    @abstractmethod
     def found_corrupt(self, key: str) -> bool:
         """Was ``key`` found bad (and removed) since it was last asked about? (Forgets it.)"""
-        with self.stats.lock:
-            if key not in self._found_corrupt:
-                return False
-            del self._found_corrupt[key]
-            return True
 
+    @abstractmethod
     def report_corrupt(self, key: str, reason: str) -> None:
         """A caller found a fetched payload bad (deferred verification): count, log, remove."""
-        self._corrupt(key, ObjectCorrupt(reason))
-        self.delete([key])
+
+    @abstractmethod
+    def watch_removals(self, listener: Callable[[list[str]], None]) -> None:
+        """Tell ``listener`` the keys of objects this backend evicts for capacity, where it
+        knows them (the file and memory stores; Mooncake evicts inside its master, unseen).
+        Called on the thread that evicted, after the objects are gone; must not block."""
 
     def tier_stats(self) -> list[dict]:
         """Counters per tier of a chain, fastest first (``tier``, ``backend``, counts). One
         backend: none (its ``stats`` are the store's)."""
         return []
+
+    # ---- resources -----------------------------------------------------------------------------
 
     def register_host_pool(self, pool, blocks: range | None = None) -> None:  # noqa: B027
         """Called once per HostPool before it is used; zero-copy backends register ``blocks``
@@ -319,61 +362,3 @@ class StorageBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- helpers for implementations --------------------------------------------------------
-
-    def _check_batch(
-        self,
-        keys: Sequence[str],
-        host_blocks: Sequence[torch.Tensor],
-        extra=None,
-        headers=None,
-        blocks: bool = True,
-    ) -> None:
-        """``blocks=False``: the lengths only (a tier chain, whose first live tier is handed
-        every block and key and checks them itself)."""
-        if len(keys) != len(host_blocks):
-            raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
-        if extra is not None and len(extra) != len(keys):
-            raise StorageError(f"{len(keys)} keys but {len(extra)} checksums")
-        if headers is not None and (extra is None or len(headers) != len(keys)):
-            raise StorageError(
-                f"headers_out needs checksums_out and one entry per key ({len(keys)} keys)"
-            )
-        if not blocks:
-            return
-        for i, block in enumerate(host_blocks):
-            if block.dtype != torch.uint8 or block.numel() != self.payload_bytes:
-                raise StorageError(
-                    f"host block {i} is {block.numel()} x {block.dtype}; need "
-                    f"{self.payload_bytes} x torch.uint8 (HostPool.block(i))"
-                )
-            if not block.is_contiguous() or block.device.type != "cpu":
-                raise StorageError(f"host block {i} must be a contiguous CPU tensor")
-        for key in keys:
-            if not isinstance(key, str) or not key:
-                raise StorageError(f"keys must be non-empty strings, got {key!r}")
-
-    def _corrupt(self, key: str, error: ObjectCorrupt) -> None:
-        """Count and log a detected bad object once; the caller removes it."""
-        self.stats.add(corrupt=1)
-        with self.stats.lock:
-            self._found_corrupt[key] = None
-            while len(self._found_corrupt) > REMEMBERED_CORRUPT_KEYS:
-                self._found_corrupt.popitem(last=False)
-        log.warning(
-            "%s store: object %s is corrupt (%s): treated as a miss and removed",
-            self.kind,
-            key,
-            error,
-        )
-
-    def _count_gets(self, results: list[bool]) -> list[bool]:
-        hits = sum(results)
-        self.stats.add(hits=hits, misses=len(results) - hits)
-        return results
-
-    def _count_puts(self, results: list[bool]) -> list[bool]:
-        ok = sum(results)
-        self.stats.add(puts=ok, put_failures=len(results) - ok)
-        return results

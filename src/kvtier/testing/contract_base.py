@@ -62,7 +62,7 @@ def authenticated(store: StorageBackend, key: bytes | None):
     stores = [store] + ([store.wrapped] if store.wrapped is not store else [])
     saved = [s.format for s in stores]
     for s in stores:
-        s.format = ObjectFormat(s.fingerprint, key)
+        s.format = ObjectFormat(s.spec.fingerprint, key)
     try:
         yield store
     finally:

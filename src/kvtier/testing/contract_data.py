@@ -66,7 +66,8 @@ class DataContract(ContractBase):
         assert after.used_bytes >= before.used_bytes + 4 * CONTRACT_SPEC.block_bytes
 
     def test_scattered_reads_land_in_order_verified(self, store, pool) -> None:
-        if not store.supports_scattered_reads:
+        io = store.scattered()
+        if io is None:
             pytest.skip(f"{store.kind} reads into host blocks only")
         keys = make_keys(3)
         self.put(store, pool, keys)
@@ -76,39 +77,41 @@ class DataContract(ContractBase):
             return [[memoryview(bytearray(b"\xee" * k)) for k in pieces] for _ in range(n)]
 
         got = targets(3)
-        assert store.get_into_scattered(keys, got) == [True] * 3
+        assert io.get_into_scattered(keys, got) == [True] * 3
         for key, views in zip(keys, got):
             joined = b"".join(bytes(v) for v in views)
             assert joined == bytes(expected_block(key, CONTRACT_SPEC.block_bytes).numpy())
         missing = targets(1)
-        assert store.get_into_scattered(make_keys(1), missing) == [False]
+        assert io.get_into_scattered(make_keys(1), missing) == [False]
         assert all(bytes(v) == b"\xee" * len(v) for v in missing[0])  # untouched
         data = bytearray(store.read_object(keys[1]))
         data[-1] ^= 0x10  # only the payload check can see it
         store.write_object(keys[1], bytes(data))
         bad = targets(1)
-        assert store.get_into_scattered(keys[1:2], bad) == [False]
+        assert io.get_into_scattered(keys[1:2], bad) == [False]
         assert all(bytes(v) == bytes(len(v)) for v in bad[0])  # zeroed, never the failed bytes
         assert store.exists_prefix(keys[1:2]) == 0  # counted corrupt and removed
         with pytest.raises(StorageError):
-            store.get_into_scattered(keys[:1], [])
+            io.get_into_scattered(keys[:1], [])
 
     def test_scattered_reads_stop_at_the_first_miss(self, store, pool) -> None:
         """The data path reads a prefix: objects after a hole are not read (they were, and
         landed in device blocks past the reported prefix)."""
-        if not store.supports_scattered_reads:
+        io = store.scattered()
+        if io is None:
             pytest.skip(f"{store.kind} reads into host blocks only")
         keys = make_keys(4)
         self.put(store, pool, [keys[0], keys[2], keys[3]])
         got = [[memoryview(bytearray(b"\xee" * CONTRACT_SPEC.block_bytes))] for _ in keys]
-        assert store.get_into_scattered(keys, got) == [True, False, False, False]
+        assert io.get_into_scattered(keys, got) == [True, False, False, False]
         assert all(bytes(views[0]) == b"\xee" * CONTRACT_SPEC.block_bytes for views in got[1:])
 
     def test_a_scattered_read_writes_nothing_once_go_on_stops_it(self, store, pool) -> None:
         """``go_on`` is asked before any object lands in its targets (the worker's deadline:
         the engine may have reused those blocks); when it raises, no target is written and the
         exception reaches the caller; the objects stay stored."""
-        if not store.supports_scattered_reads:
+        io = store.scattered()
+        if io is None:
             pytest.skip(f"{store.kind} reads into host blocks only")
         keys = make_keys(3)
         self.put(store, pool, keys)
@@ -120,21 +123,22 @@ class DataContract(ContractBase):
             raise TimeoutError(where)
 
         with pytest.raises(TimeoutError):
-            store.get_into_scattered(keys, got, stop)
+            io.get_into_scattered(keys, got, stop)
         assert asked and all(bytes(v[0]) == b"\xee" * CONTRACT_SPEC.block_bytes for v in got)
-        assert store.get_into_scattered(keys, got, asked.append) == [True] * 3
+        assert io.get_into_scattered(keys, got, asked.append) == [True] * 3
         assert store.exists_prefix(keys) == 3
 
     def test_scattered_writes_store_the_pieces_in_order(self, store, pool) -> None:
-        if not store.supports_scattered_reads:
+        io = store.scattered()
+        if io is None:
             pytest.skip(f"{store.kind} writes from host blocks only")
         keys = make_keys(2)
         payloads = [bytes(expected_block(k, CONTRACT_SPEC.block_bytes).numpy()) for k in keys]
         cut = [0, 1000, 5000, CONTRACT_SPEC.block_bytes]
         sources = [[memoryview(p)[a:b] for a, b in zip(cut, cut[1:])] for p in payloads]
-        assert store.put_from_scattered(keys, sources) == [True, True]
+        assert io.put_from_scattered(keys, sources) == [True, True]
         assert self.get(store, pool, keys) == [True, True]  # checksummed like any object
-        assert store.put_from_scattered(keys, sources) == [True, True]  # stored: kept
+        assert io.put_from_scattered(keys, sources) == [True, True]  # stored: kept
 
     def test_bad_arguments(self, store, pool) -> None:
         keys = make_keys(2)

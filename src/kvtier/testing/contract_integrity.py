@@ -10,6 +10,7 @@ import torch
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.checksum import payload_checksum
 from kvtier.storage import HEADER_BYTES, ObjectFormat
+from kvtier.storage.base import Read, Verify
 from kvtier.testing.contract_base import (
     CONTRACT_SPEC,
     MAC_KEY,
@@ -125,8 +126,9 @@ class IntegrityContract(ContractBase):
         header[20] ^= 0x01  # header damage: caught here as always
         store.write_object(keys[2], bytes(header))
         targets = [pool.block(8 + i) for i in range(3)]
-        sums = np.zeros(3, dtype=np.uint64)
-        assert store.get_into(keys, targets, checksums_out=sums) == [True, True, False]
+        got = store.read(Read(keys, targets, Verify.CHECKSUM_BY_CALLER))
+        assert got.found == [True, True, False] and got.checksums is not None
+        sums = got.checksums
         actual = [payload_checksum(t.numpy()) for t in targets[:2]]
         assert int(sums[0]) == actual[0]  # intact: the caller's check passes
         assert int(sums[1]) != actual[1]  # damaged payload: the caller's check fails
@@ -134,11 +136,11 @@ class IntegrityContract(ContractBase):
         store.report_corrupt(keys[1], "payload checksum mismatch in the copy")
         assert store.stats.corrupt == corrupt + 1 and store.found_corrupt(keys[1])
         assert store.exists_prefix(keys[1:2]) == 0
-        with pytest.raises(StorageError, match="3 keys but 2 checksums"):
-            store.get_into(keys, targets, checksums_out=sums[:2])
+        with pytest.raises(StorageError, match="3 keys but 2 host blocks"):
+            store.read(Read(keys, targets[:2], Verify.CHECKSUM_BY_CALLER))
 
     def test_deferred_headers_leave_the_mac_to_the_caller(self, store, pool) -> None:
-        """``headers_out``: for loads into memory a peer can write (Mooncake's registered
+        """``Verify.ALL_BY_CALLER``: for loads into memory a peer can write (Mooncake's registered
         staging). The header is checked here (a bad one is a miss, as always); the payload and
         its MAC are not: the caller gets a private copy of the header and checks the bytes
         where it copied them (``format.check_deferred``)."""
@@ -152,8 +154,9 @@ class IntegrityContract(ContractBase):
             header[9] ^= 0x01  # the fingerprint: caught here
             store.write_object(keys[2], bytes(header))
             targets = [pool.block(8 + i) for i in range(3)]
-            sums, headers = np.zeros(3, dtype=np.uint64), [None] * 3
-            assert store.get_into(keys, targets, sums, headers) == [True, True, False]
+            got = store.read(Read(keys, targets, Verify.ALL_BY_CALLER))
+            assert got.found == [True, True, False] and got.headers is not None
+            headers = got.headers
             assert [len(h) if h else h for h in headers] == [HEADER_BYTES, HEADER_BYTES, None]
             check = store.format.check_deferred
             check(headers[0], keys[0], [targets[0].numpy().data])
@@ -162,12 +165,11 @@ class IntegrityContract(ContractBase):
                 check(headers[1], keys[1], [targets[1].numpy().data])
             with pytest.raises(ObjectCorrupt, match="MAC mismatch"):  # another key's header
                 check(headers[0], keys[1], [targets[0].numpy().data])
-            with pytest.raises(StorageError, match="headers_out needs checksums_out"):
-                store.get_into(keys, targets, None, headers)
         plain = make_keys(1)  # without a MAC key the caller's check is the checksum
         self.put(store, pool, plain)
-        sums, headers = np.zeros(1, dtype=np.uint64), [None]
-        assert store.get_into(plain, targets[:1], sums, headers) == [True]
+        got = store.read(Read(plain, targets[:1], Verify.ALL_BY_CALLER))
+        assert got.found == [True] and got.headers is not None
+        headers = got.headers
         store.format.check_deferred(headers[0], plain[0], [targets[0].numpy().data])
         targets[0][3] ^= 1
         with pytest.raises(ObjectCorrupt, match="checksum mismatch"):
@@ -230,22 +232,18 @@ class IntegrityContract(ContractBase):
             store.write_object(keys[1], plain.header(keys[1], [payload]) + payload.tobytes())
             store.write_object(keys[2], other.header(keys[2], [payload]) + payload.tobytes())
             store.write_object(keys[3], store.read_object(keys[4]))  # a sound object, renamed
-            sums = np.zeros(5, dtype=np.uint64)
             blocks = [pool.block(8 + i) for i in range(5)]
             # The MAC is checked even when the payload checksum is left to the caller.
-            assert store.get_into(keys, blocks, checksums_out=sums) == [
-                True,
-                False,
-                False,
-                False,
-                True,
-            ]
-            assert sums[0] == payload_checksum(blocks[0].numpy())
-            if store.supports_scattered_reads:
+            got = store.read(Read(keys, blocks, Verify.CHECKSUM_BY_CALLER))
+            assert got.found == [True, False, False, False, True]
+            sums = got.checksums
+            assert sums is not None and sums[0] == payload_checksum(blocks[0].numpy())
+            io = store.scattered()
+            if io is not None:
                 stored = make_keys(1)
                 self.put(store, pool, stored)
                 target = [memoryview(bytearray(CONTRACT_SPEC.block_bytes))]
-                assert store.get_into_scattered(stored, [target]) == [True]
+                assert io.get_into_scattered(stored, [target]) == [True]
                 assert (
                     bytes(target[0])
                     == expected_block(stored[0], CONTRACT_SPEC.block_bytes).numpy().tobytes()

@@ -37,7 +37,7 @@ from kvtier.layout.keys import KeyScheme
 from kvtier.memory.copier import BlockCopier, make_copier
 from kvtier.memory.device import DeviceCache
 from kvtier.memory.host import HostLayout, HostPool, copy_block
-from kvtier.storage.base import StorageBackend
+from kvtier.storage.base import Read, StorageBackend, Verify
 from kvtier.transport.tasks import (
     DataTask,
     Load,
@@ -116,9 +116,10 @@ class DataPath:
             self._private,
         )
         self.route: StagedRoute | DirectRoute = staged
-        if self.copier.direct_device_access and storage.reads_scattered_on_top:
-            rest = None if storage.supports_scattered_reads else staged
-            self.route = DirectRoute(self.copier, storage, rest)
+        io = storage.scattered()
+        if self.copier.direct_device_access and io is not None:
+            below = None if io.covers_all else staged
+            self.route = DirectRoute(self.copier, io, storage.payload_bytes, below)
         if self._staged_host_io:  # chosen once too: host tasks through staging, or not
             self._put_host, self._get_host = self._put_staged, self._get_staged
         else:
@@ -197,27 +198,22 @@ class DataPath:
         storage_keys = keys.keys(task.block_hashes)
         dev = as_block_ids(task.device_block_ids, "device_block_ids")
         self.copier.check_device_ids(dev, destination=True)
-        route, done, moved = self.route, 0, 0
+        got = self.route.fetch(storage_keys, dev, go_on)  # stops at the first not loaded
+        done = got.verified
+        moved, error = int(got.good.sum()) * self.host_pool.block_bytes, got.error
         try:
-            while done < len(storage_keys):  # a chunk stops at the first object not loaded
-                chunk = slice(done, min(len(storage_keys), done + route.load_step))
-                fetched, good = route.fetch(storage_keys[chunk], dev[chunk], go_on)
-                verified = leading_true(good.tolist())
-                if verified < fetched:
-                    self.storage.report_corrupt(storage_keys[chunk][verified], CHECK_FAILED)
-                done += verified
-                moved += int(good.sum()) * self.host_pool.block_bytes
-                if verified < chunk.stop - chunk.start:
-                    if verified < fetched or route.rest is None:
-                        break
-                    route = route.rest  # a chain's blocks below its scattered tiers
-            self._drop_unverified_after_corrupt(storage_keys, done)
+            if error is None and done < got.fetched:
+                self.storage.report_corrupt(storage_keys[done], CHECK_FAILED)
+            if error is None:
+                self._drop_unverified_after_corrupt(storage_keys, done)
         except StorageUnavailable as e:
+            error = e
+        if error is not None:
             return Outcome(
                 Status.ERROR,
                 list(task.device_block_ids[:done]),
                 bytes_moved=moved,
-                message=f"storage unavailable: {e}",
+                message=f"storage unavailable: {error}",
             )
         return _prefix_outcome(task.device_block_ids, done, moved, "loaded")
 
@@ -307,9 +303,8 @@ class DataPath:
             keys = storage_keys[start : start + dst.size]
             with self._load_lock:
                 blocks = [self.host_pool.block(int(i)) for i in ids]
-                headers: list[bytes | None] = [None] * ids.size
-                sums = np.zeros(ids.size, dtype=np.uint64)
-                fetched = leading_true(self.storage.get_into(keys, blocks, sums, headers))
+                got = self.storage.read(Read(keys, blocks, Verify.ALL_BY_CALLER))
+                fetched, headers = got.leading, got.headers
                 landed = [self.host_pool.block(d) for d in dst[:fetched].tolist()]
                 for block, mine in zip(blocks, landed):
                     copy_block(mine, block)
@@ -318,7 +313,8 @@ class DataPath:
             verified = leading_true(good)
             if verified < fetched:
                 self.storage.report_corrupt(keys[verified], CHECK_FAILED)
-            self.storage.promote(keys[:verified], pieces[:verified])
+            if (promoter := self.storage.promoter()) is not None:
+                promoter.promote(keys[:verified], pieces[:verified])
             ok += good + [False] * (len(keys) - fetched)
             if not all(ok):
                 break

@@ -21,22 +21,34 @@ exactly as they use one backend.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvtier.errors import StorageError, StorageUnavailable
-from kvtier.storage.base import StorageBackend, StorageStats, StorageUsage
+from kvtier.storage.base import (
+    Promotes,
+    Read,
+    ReadResult,
+    ScatteredIO,
+    StorageBackend,
+    StorageStats,
+    StorageUsage,
+    Verify,
+)
+from kvtier.storage.chain.promotion import Promotion
 from kvtier.storage.chain.removals import ChainRemovals
 from kvtier.storage.chain.writer import LowerWriter, TierHealth
 from kvtier.storage.config import WRITE_MODES
 from kvtier.storage.format import ObjectFormat
+from kvtier.storage.object_store import check_batch, check_scattered
+from kvtier.storage.wrappers.delegating import Delegating
 
 log = logging.getLogger(__name__)
 
 
-class TieredStore(StorageBackend):
+class TieredStore(Delegating):
+    """Its ``inner`` is the top tier: the format and block sizes are every tier's alike."""
+
     kind = "tiers"
 
     def __init__(
@@ -48,15 +60,20 @@ class TieredStore(StorageBackend):
         flush_timeout_s: float = 10.0,
         mac_key: bytes | None = None,
     ) -> None:
+        """``mac_key``: every tier's objects authenticated with it (None: as each tier is)."""
         if len(tiers) < 1:
             raise StorageError("a tier chain needs at least one tier")
         if write not in WRITE_MODES:
             raise StorageError(f"write must be one of {', '.join(WRITE_MODES)}, got {write!r}")
-        self.tiers = list(tiers)  # before the base sets ``format`` (passed on to every tier)
-        super().__init__(tiers[0].spec, mac_key)
+        super().__init__(tiers[0])
+        self.tiers = list(tiers)
+        if mac_key is not None:
+            self.format = ObjectFormat(tiers[0].spec.fingerprint, mac_key)
         self.write, self.flush_timeout_s = write, flush_timeout_s
+        self._own = StorageStats()  # the engine's reads and writes of the chain
+        self._removal_listener: Callable[[list[str]], None] | None = None
         self.health = TierHealth([t.wrapped.kind for t in self.tiers])
-        self.promotions = 0
+        self.promotion = Promotion(self.tiers, self.health)
         self.writer: LowerWriter | None = None
         if len(self.tiers) > 1:
             self.writer = LowerWriter(
@@ -66,7 +83,7 @@ class TieredStore(StorageBackend):
                 through=write == "through",
                 pending_bytes=pending_bytes,
             )
-            watch_spills = getattr(self.tiers[0], "watch_spills", None)
+            watch_spills = getattr(self.tiers[0].wrapped, "watch_spills", None)
             if watch_spills is not None:
                 watch_spills(self.writer.spilled)
             elif write == "back":
@@ -78,16 +95,15 @@ class TieredStore(StorageBackend):
 
     @property
     def format(self) -> ObjectFormat:
-        return self._format
+        return self.tiers[0].format
 
     @format.setter
     def format(self, value: ObjectFormat) -> None:
-        self._format = value
         for tier in self.tiers:
             tier.format = value
 
     @property
-    def stats(self) -> StorageStats:
+    def stats(self) -> StorageStats:  # type: ignore[override]
         """The chain's reads and writes; corrupt objects and evictions summed over its tiers."""
         own = self._own
         return StorageStats(
@@ -99,21 +115,21 @@ class TieredStore(StorageBackend):
             evictions=sum(t.stats.evictions for t in self.tiers),
         )
 
-    @stats.setter
-    def stats(self, value: StorageStats) -> None:
-        self._own = value
-
     @property
     def quick_lookups(self) -> bool:  # type: ignore[override]
         return all(t.quick_lookups for t in self.tiers)
 
-    @property
-    def supports_scattered_reads(self) -> bool:
-        return all(t.supports_scattered_reads for t in self.tiers)
+    def scattered(self) -> ScatteredIO | None:
+        """The chain itself (``ScatteredIO``) where its top tier reads scattered: blocks that
+        only tiers reading host blocks hold end such a read (``covers_all`` False)."""
+        return self if self.tiers[0].scattered() is not None else None
 
     @property
-    def reads_scattered_on_top(self) -> bool:
-        return self.tiers[0].supports_scattered_reads
+    def covers_all(self) -> bool:
+        return all(t.scattered() is not None for t in self.tiers)
+
+    def promoter(self) -> Promotes:
+        return self.promotion
 
     @property
     def exposes_registered_memory(self) -> bool:
@@ -122,6 +138,10 @@ class TieredStore(StorageBackend):
     @property
     def persistent(self) -> bool:
         return any(t.persistent for t in self.tiers)
+
+    @property
+    def wrapped(self) -> StorageBackend:
+        return self
 
     def _live(self) -> list[tuple[int, StorageBackend]]:
         live = [(level, t) for level, t in enumerate(self.tiers) if self.health.up(level)]
@@ -152,59 +172,52 @@ class TieredStore(StorageBackend):
                 break
         return self._answered((len(levels), bytes(levels) if any(levels) else b""))
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
+    def holds(self, key: str) -> bool:
+        return any(self.health.ask(level, t.holds, key, default=False) for level, t in self._live())
+
+    def read(self, request: Read) -> ReadResult:
         """Each block from the fastest tier that holds it; those from below promoted, unless
-        the caller checks the bytes itself (``headers_out``: it calls ``promote`` after)."""
-        self._check_batch(keys, host_blocks, checksums_out, headers_out, blocks=False)  # in a tier
-        results, below = [False] * len(keys), []
+        the caller checks the bytes itself (``Verify.ALL_BY_CALLER``: it promotes them after)."""
+        keys, host_blocks = request.keys, request.host_blocks
+        if len(keys) != len(host_blocks):  # the blocks themselves: by the tier that reads them
+            raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
+        result, below = ReadResult.empty(request), []
         todo = list(range(len(keys)))
         for level, tier in self._live():
             if not todo:
                 break
-            got = _get_from(self, level, tier, keys, host_blocks, todo, checksums_out, headers_out)
+            got = _get_from(self, level, tier, request, todo, result)
             below += [i for i in got if level > 0]
-            for i in got:
-                results[i] = True
-            todo = [i for i in todo if not results[i]]
-        prefix = results.index(False) if False in results else len(results)
-        promote = [i for i in below if i < prefix]
-        if promote and headers_out is None:
-            known = None if checksums_out is None else [int(checksums_out[i]) for i in promote]
+            todo = [i for i in todo if not result.found[i]]
+        promote = [i for i in below if i < result.leading]
+        if promote and request.verify is not Verify.ALL_BY_CALLER:
+            sums = result.checksums
+            known = None if sums is None else [int(sums[i]) for i in promote]
             blocks = [host_blocks[i] for i in promote]
-            self._promote("put_from", [keys[i] for i in promote], blocks, known)
-        return self._count(self._answered(results))
-
-    def promote(self, keys, sources) -> None:
-        """Into the top tier, what it does not hold yet (the caller verified the bytes)."""
-        top = self.tiers[0]
-        if not keys or not top.supports_scattered_reads or not self.health.up(0):
-            return
-        new = [
-            i
-            for i, key in enumerate(keys)
-            if not self.health.ask(0, top.exists_prefix, [key], default=1)
-        ]
-        if new:
-            self._promote("put_from_scattered", [keys[i] for i in new], [sources[i] for i in new])
+            self.promotion.put(self.tiers[0].put_from, [keys[i] for i in promote], blocks, known)
+        self._answered(result)
+        if request.counted:
+            self._count(result.found)
+        return result
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         """Each block from the fastest tier that reads scattered and holds it; a block only the
-        others hold ends the run (``reads_scattered_on_top``)."""
+        others hold ends the run (``covers_all``)."""
         start, up = 0, self._live()
-        live = [(level, t) for level, t in up if t.supports_scattered_reads]
-        self._check_scattered(keys, targets, sizes=not live)  # else by the first live tier
+        live = [(level, io) for level, t in up if (io := t.scattered()) is not None]
+        check_scattered(keys, targets, None if live else self.payload_bytes)  # else by a tier
         while start < len(keys):
-            for level, tier in live:
+            for level, io in live:
                 args = (keys[start:], targets[start:], go_on)
                 got = self.health.ask(
-                    level, tier.get_into_scattered, *args, default=[False] * len(args[0])
+                    level, io.get_into_scattered, *args, default=[False] * len(args[0])
                 )
                 run = got.index(False) if False in got else len(got)
                 if run:
                     if level > 0:  # verified bytes: the top tier hashes them itself
-                        _sound_below(self, level, keys[start : start + run])
-                        self._promote(
-                            "put_from_scattered",
+                        self.promotion.loaded_from(level, keys[start : start + run])
+                        self.promotion.put(
+                            self.tiers[0].scattered().put_from_scattered,  # type: ignore[union-attr]
                             keys[start : start + run],
                             targets[start : start + run],
                         )
@@ -213,30 +226,31 @@ class TieredStore(StorageBackend):
             else:
                 break
         results = self._answered([True] * start + [False] * (len(keys) - start))
-        if len(live) < len(up):  # the rest is asked for with get_into, which counts it
+        if len(live) < len(up):  # the rest is asked for with ``read``, which counts it
             self._own.add(hits=start)
             return results
         return self._count(results)
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums)
+        check_batch(keys, host_blocks, self.payload_bytes, checksums)
         return self._put(keys, "put_from", host_blocks, checksums, originals)
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
-        self._check_scattered(keys, sources)
+        check_scattered(keys, sources, self.payload_bytes)
         return self._put(keys, "put_from_scattered", sources)
 
     def _put(self, keys, method: str, *args) -> list[bool]:
         """Into the first live tier (the top unless down) taking such puts; below: the writer."""
         scattered = method == "put_from_scattered"
         for level, tier in self._live():
-            if scattered and not tier.supports_scattered_reads:
+            target = tier.scattered() if scattered else tier
+            if target is None:
                 continue
             writer = self.writer if level == 0 else None
             if writer:  # dirty before the put: one it evicts at once is kept
                 writer.expect(keys)
             try:
-                ok = getattr(tier, method)(keys, *args)
+                ok = getattr(target, method)(keys, *args)
             except StorageUnavailable as e:
                 self.health.down(level, e)
                 if writer:
@@ -248,12 +262,6 @@ class TieredStore(StorageBackend):
             return self._count(ok, "puts", "put_failures")
         which = " that writes from a device block's pieces" if scattered else ""
         raise StorageUnavailable(f"every storage tier{which} is unavailable")
-
-    def _promote(self, method: str, keys, *args) -> None:
-        """Put what was loaded from below into the top tier (``method``: its put)."""
-        put = getattr(self.tiers[0], method)
-        if self.health.up(0) and self.health.ask(0, put, keys, *args, default=None):
-            self.promotions += len(keys)
 
     def _count(self, results: list[bool], hit: str = "hits", miss: str = "misses") -> list[bool]:
         self._own.add(**{hit: sum(results), miss: len(results) - sum(results)})
@@ -306,6 +314,10 @@ class TieredStore(StorageBackend):
         self._removal_listener = listener
         ChainRemovals(self.tiers, self.writer, self._evicted)
 
+    def _evicted(self, keys: list[str]) -> None:
+        if keys and self._removal_listener is not None:
+            self._removal_listener(keys)
+
     def register_host_pool(self, pool, blocks: range | None = None) -> None:
         for tier in self.tiers:
             tier.register_host_pool(pool, blocks)
@@ -334,36 +346,28 @@ class TieredStore(StorageBackend):
             tier.close()
 
 
-def _sound_below(chain: TieredStore, level: int, keys) -> None:
-    """``keys`` loaded from tier ``level``: a tier above that found its own copy bad marked
-    them (``found_corrupt``); the load went on from here, so the marks are stale — left, a
-    later load stopping at such a key for a plain miss would drop the sound objects after it."""
-    for upper in chain.tiers[:level]:
-        for key in keys:
-            upper.found_corrupt(key)  # asking forgets
-
-
-def _get_from(chain, level, tier, keys, host_blocks, todo, checksums_out, headers_out) -> list[int]:
-    """``tier.get_into`` of the blocks ``todo``; the ones it loaded (their checksums and
-    headers copied out where asked for). A tier that is down loads none."""
-    sums = None if checksums_out is None else np.zeros(len(todo), dtype=np.uint64)
-    heads: list[bytes | None] | None = None if headers_out is None else [None] * len(todo)
-    got = chain.health.ask(
-        level,
-        tier.get_into,
-        [keys[i] for i in todo],
-        [host_blocks[i] for i in todo],
-        sums,
-        heads,
-        default=[False] * len(todo),
+def _get_from(chain, level, tier, request: Read, todo: list[int], result: ReadResult) -> list[int]:
+    """``tier.read`` of the blocks ``todo`` into ``result``; the ones it loaded. A tier that is
+    down loads none."""
+    sub = Read(
+        [request.keys[i] for i in todo],
+        [request.host_blocks[i] for i in todo],
+        request.verify,
+        counted=request.counted,
     )
-    loaded = [i for i, ok in zip(todo, got) if ok]
-    _sound_below(chain, level, [keys[i] for i in loaded])
-    for j, (i, ok) in enumerate(zip(todo, got)):
-        if ok and sums is not None:
-            checksums_out[i] = sums[j]
-        if ok and heads is not None:
-            headers_out[i] = heads[j]
+    got = chain.health.ask(level, tier.read, sub, default=None)
+    if got is None:
+        return []
+    loaded = [i for i, ok in zip(todo, got.found) if ok]
+    chain.promotion.loaded_from(level, [request.keys[i] for i in loaded])
+    for j, (i, ok) in enumerate(zip(todo, got.found)):
+        if not ok:
+            continue
+        result.found[i] = True
+        if result.checksums is not None:
+            result.checksums[i] = got.checksums[j]
+        if result.headers is not None:
+            result.headers[i] = got.headers[j]
     return loaded
 
 
@@ -378,7 +382,7 @@ def _tier_rows(chain: TieredStore) -> list[dict[str, Any]]:
                 "unavailable": chain.health.unavailable[level],
             }
         )
-    rows[0]["promotions"] = chain.promotions
+    rows[0]["promotions"] = chain.promotion.count
     if chain.writer is not None:
         rows[0]["pending_writes"] = chain.writer.pending
         rows[0].update(vars(chain.writer.counts))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kvtier.errors import ObjectCorrupt, StorageUnavailable
 from kvtier.memory.host import HostPool, copy_block
-from kvtier.storage.base import StorageBackend
+from kvtier.storage.base import Read, StorageBackend
 from kvtier.storage.format import HEADER_BYTES
 
 # A tier that could not be reached is not asked again for this long: each ask may cost a
@@ -257,8 +257,8 @@ class LowerWriter:
         # and the top tier's own objects skip the MAC, as its loads do).
         read_into = self._ring if self._private is None else self._private
         from_top = [key for key, data in batch if data is None]
-        got = self.top.get_into(from_top, [read_into.block(i) for i in range(len(from_top))])
-        self.top.stats.add(hits=-sum(got), misses=sum(got) - len(got))  # not the engine's reads
+        blocks = [read_into.block(i) for i in range(len(from_top))]
+        got = self.top.read(Read(from_top, blocks, counted=False)).found  # not the engine's
         for slot, (key, read) in enumerate(zip(from_top, got)):
             if read:
                 keys.append(key)

@@ -51,13 +51,14 @@ import torch
 
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.base import Read, ReadResult, StorageUsage
 from kvtier.storage.file.config import FileStoreConfig
 from kvtier.storage.file.dirs import FANOUT_DIRS, StoreDirs, fanout_name, object_name
 from kvtier.storage.file.index import LruIndex
 from kvtier.storage.file.io import CallersPriorityPool, OnceLog, striped, warn_if_open, zero
 from kvtier.storage.file.objects import MAX_KEY_BYTES, ObjectFiles
 from kvtier.storage.format import HEADER_BYTES
+from kvtier.storage.object_store import ScatteredObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,8 @@ RECENCY_GRANULARITY_S = 2.0
 PARALLEL_MIN_BYTES = 4 << 20
 
 
-class FileStore(StorageBackend):
+class FileStore(ScatteredObjectStore):
     kind = "file"
-    supports_scattered_reads = True
     exposes_registered_memory = False
     persistent = True
 
@@ -115,10 +115,11 @@ class FileStore(StorageBackend):
                 return n
         return len(keys)
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+    def _read(self, request: Read, result: ReadResult) -> None:
+        keys, host_blocks = request.keys, request.host_blocks
+        checksums_out, headers_out = result.checksums, result.headers
         fn = functools.partial(self._get_one, checksums_out=checksums_out, headers_out=headers_out)
-        return self._count_gets(self._striped(fn, keys, host_blocks))
+        result.found[:] = self._striped(fn, keys, host_blocks)
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)

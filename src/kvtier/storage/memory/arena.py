@@ -25,15 +25,15 @@ import numpy as np
 from kvtier.errors import ConfigError, ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.memory.scatter import copy_scattered
-from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.base import Read, ReadResult, StorageUsage
 from kvtier.storage.format import Header, ObjectFormat
 from kvtier.storage.memory.arena_memory import ArenaMemory
+from kvtier.storage.object_store import ScatteredObjectStore
 
 
-class ArenaStore(StorageBackend):
+class ArenaStore(ScatteredObjectStore):
     kind = "memory"
     quick_lookups = True
-    supports_scattered_reads = True
     exposes_registered_memory = False
     persistent = False
 
@@ -152,8 +152,9 @@ class ArenaStore(StorageBackend):
             self._unpin_all(found)
         return bool(found)
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+    def _read(self, request: Read, result: ReadResult) -> None:
+        keys, host_blocks = request.keys, request.host_blocks
+        checksums_out, headers_out = result.checksums, result.headers
         results = [False] * len(keys)
         found = self._pin_parsed(keys, prefix=False)
         try:
@@ -183,7 +184,7 @@ class ArenaStore(StorageBackend):
                     self._bad(keys[i], e)
         finally:
             self._unpin_all(found)
-        return self._count_gets(results)
+        result.found[:] = results
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)

@@ -10,17 +10,17 @@ import numpy as np
 
 from kvtier.errors import ObjectCorrupt
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.base import Read, ReadResult, StorageUsage
 from kvtier.storage.format import HEADER_BYTES
+from kvtier.storage.object_store import ScatteredObjectStore
 
 
-class MemoryStore(StorageBackend):
+class MemoryStore(ScatteredObjectStore):
     """Objects in this process's memory. Stores the same bytes a file would hold, so the
     corruption and fingerprint checks run exactly as for the other backends."""
 
     kind = "memory"
     quick_lookups = True
-    supports_scattered_reads = True
     exposes_registered_memory = False
     persistent = False
 
@@ -71,8 +71,9 @@ class MemoryStore(StorageBackend):
                 self._sound.add(key)
         return True
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+    def _read(self, request: Read, result: ReadResult) -> None:
+        keys, host_blocks = request.keys, request.host_blocks
+        checksums_out, headers_out = result.checksums, result.headers
         results = []
         for i, (key, block) in enumerate(zip(keys, host_blocks)):
             with self._lock:
@@ -104,7 +105,7 @@ class MemoryStore(StorageBackend):
                 continue
             block.numpy()[:] = np.frombuffer(data, dtype=np.uint8, offset=HEADER_BYTES)
             results.append(True)
-        return self._count_gets(results)
+        result.found[:] = results
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)

@@ -26,7 +26,7 @@ import torch
 from kvtier.common import bindguard
 from kvtier.errors import ObjectCorrupt, StorageError, StorageUnavailable
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.base import Read, ReadResult, StorageUsage
 from kvtier.storage.format import HEADER_BYTES
 from kvtier.storage.mooncake.config import (
     Bounded,
@@ -35,6 +35,7 @@ from kvtier.storage.mooncake.config import (
     probe,
     probe_setup,
 )
+from kvtier.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,8 @@ class _Registered:
     blocks: range  # the registered blocks
 
 
-class MooncakeStore(StorageBackend):
+class MooncakeStore(ObjectStore):
     kind = "mooncake"
-    supports_scattered_reads = False
     exposes_registered_memory = True
     persistent = True
 
@@ -229,10 +229,11 @@ class MooncakeStore(StorageBackend):
             self._stored_bytes += sum(results) * self.object_bytes
         return self._count_puts(results)
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+    def _read(self, request: Read, result: ReadResult) -> None:
+        keys, host_blocks = request.keys, request.host_blocks
+        checksums_out, headers_out = result.checksums, result.headers
         if not keys:
-            return []
+            return
         slots = self._slots(host_blocks)
         self._guard()
 
@@ -263,7 +264,7 @@ class MooncakeStore(StorageBackend):
                         i, keys[i], host_blocks[i], slots[i][0], code, checksums_out, headers_out
                     )
                 )
-        return self._count_gets(results)
+        result.found[:] = results
 
     def _verify(self, index, key, block, header, code, checksums_out, headers_out) -> bool:
         outcome = _classify(code, self.object_bytes)

@@ -34,9 +34,10 @@ import numpy as np
 
 from kvtier.errors import ObjectCorrupt, StorageUnavailable
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.base import Read, ReadResult, StorageUsage
 from kvtier.storage.file.index import LruIndex
 from kvtier.storage.format import HEADER_BYTES
+from kvtier.storage.object_store import ObjectStore
 from kvtier.storage.s3.client import RequestFailed, S3Client
 from kvtier.storage.s3.config import S3Config
 
@@ -46,12 +47,11 @@ RELIST_AFTER_FAILURE_S = 1.0  # while the server is down, a listing is tried at 
 _FAILED = object()  # a request that failed (a miss for its key; all failed: unreachable)
 
 
-class S3Store(StorageBackend):
+class S3Store(ObjectStore):
     """Objects in an S3 bucket. See the module docstring."""
 
     kind = "s3"
     quick_lookups = False
-    supports_scattered_reads = False
     exposes_registered_memory = False
     persistent = True
 
@@ -131,8 +131,9 @@ class S3Store(StorageBackend):
                 n += 1
         return n
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+    def _read(self, request: Read, result: ReadResult) -> None:
+        keys, host_blocks = request.keys, request.host_blocks
+        checksums_out, headers_out = result.checksums, result.headers
         self._listed()
 
         def one(i: int) -> bool | object:
@@ -160,7 +161,7 @@ class S3Store(StorageBackend):
             self._index.touch(key)
             return True
 
-        return self._count_gets(self._answers(self._run(one, range(len(keys))), "read"))
+        result.found[:] = self._answers(self._run(one, range(len(keys))), "read")
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         self._check_batch(keys, host_blocks, checksums)

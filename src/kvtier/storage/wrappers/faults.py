@@ -16,19 +16,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.errors import StorageUnavailable
-from kvtier.storage.base import StorageBackend, StorageUsage
+from kvtier.storage.base import Read, ReadResult, ScatteredIO, StorageBackend
 from kvtier.storage.config import FaultConfig
+from kvtier.storage.object_store import check_batch, check_scattered
+from kvtier.storage.wrappers.delegating import Delegating
 
 
-class FaultInjectingStore(StorageBackend):
+class FaultInjectingStore(Delegating):
     kind = "faults"
 
     def __init__(self, inner: StorageBackend, config: FaultConfig | Mapping[str, Any]):
-        super().__init__(inner.spec)
-        self.format = inner.format
-        self.inner = inner
+        super().__init__(inner)
         self.config = config if isinstance(config, FaultConfig) else FaultConfig.from_dict(config)
-        self.stats = inner.stats
         self.injected: Counter[str] = Counter()
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
@@ -69,33 +68,38 @@ class FaultInjectingStore(StorageBackend):
         self._enter("exists_prefix")
         return self.inner.exists_prefix(keys)
 
-    def get_into(self, keys, host_blocks, checksums_out=None, headers_out=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums_out, headers_out)
+    def read(self, request: Read) -> ReadResult:
+        check_batch(request.keys, request.host_blocks, self.payload_bytes)
         self._enter("get_into")
-        return self._drop_some(self.inner.get_into(keys, host_blocks, checksums_out, headers_out))
+        result = self.inner.read(request)
+        self._drop_some(result.found)
+        return result
 
-    def promote(self, keys, sources) -> None:
-        self.inner.promote(keys, sources)
-
-    @property
-    def supports_scattered_reads(self) -> bool:
-        return self.inner.supports_scattered_reads
+    def scattered(self) -> ScatteredIO | None:
+        return self if self.inner.scattered() is not None else None  # ScatteredIO, faulty
 
     @property
-    def reads_scattered_on_top(self) -> bool:
-        return self.inner.reads_scattered_on_top
+    def covers_all(self) -> bool:
+        io = self.inner.scattered()
+        return io is not None and io.covers_all
+
+    def _scattered(self) -> ScatteredIO:
+        io = self.inner.scattered()
+        if io is None:
+            raise NotImplementedError(f"the {self.inner.kind} backend reads into host blocks only")
+        return io
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
-        self._check_scattered(keys, targets)
+        check_scattered(keys, targets, self.payload_bytes)
         self._enter("get_into")  # a stall here is seen by the inner store's go_on
-        return self._drop_some(self.inner.get_into_scattered(keys, targets, go_on))
+        return self._drop_some(self._scattered().get_into_scattered(keys, targets, go_on))
 
     def put_from_scattered(self, keys, sources) -> list[bool]:
-        self._check_scattered(keys, sources)
+        check_scattered(keys, sources, self.payload_bytes)
         self._enter("put_from")
         fail = [self._roll(self.config.error_rate) for _ in keys]
         chosen = [i for i, f in enumerate(fail) if not f]
-        stored = self.inner.put_from_scattered(
+        stored = self._scattered().put_from_scattered(
             [keys[i] for i in chosen], [sources[i] for i in chosen]
         )
         return self._merge_puts(keys, fail, chosen, stored)
@@ -110,9 +114,9 @@ class FaultInjectingStore(StorageBackend):
         return results
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
-        self._check_batch(keys, host_blocks, checksums)
+        check_batch(keys, host_blocks, self.payload_bytes, checksums)
         if originals is not None:
-            self._check_scattered(keys, originals)
+            check_scattered(keys, originals, self.payload_bytes)
         self._enter("put_from")
         fail = [self._roll(self.config.error_rate) for _ in keys]
         chosen = [i for i, f in enumerate(fail) if not f]
@@ -152,45 +156,3 @@ class FaultInjectingStore(StorageBackend):
     def delete(self, keys: Sequence[str]) -> int:
         self._enter("delete")
         return self.inner.delete(keys)
-
-    def usage(self) -> StorageUsage:
-        return self.inner.usage()
-
-    def read_object(self, key: str) -> bytes | None:
-        return self.inner.read_object(key)
-
-    def write_object(self, key: str, data: bytes) -> None:
-        self.inner.write_object(key, data)
-
-    @property
-    def exposes_registered_memory(self) -> bool:
-        return self.inner.exposes_registered_memory
-
-    @property
-    def persistent(self) -> bool:
-        return self.inner.persistent
-
-    def register_host_pool(self, pool, blocks: range | None = None) -> None:
-        self.inner.register_host_pool(pool, blocks)
-
-    def unregister_host_pool(self, pool) -> None:
-        self.inner.unregister_host_pool(pool)
-
-    def report_corrupt(self, key: str, reason: str) -> None:
-        self.inner.report_corrupt(key, reason)
-
-    def found_corrupt(self, key: str) -> bool:
-        return self.inner.found_corrupt(key)
-
-    @property
-    def wrapped(self) -> StorageBackend:
-        return self.inner.wrapped
-
-    def holds(self, key: str) -> bool:
-        return self.inner.holds(key)
-
-    def watch_removals(self, listener) -> None:
-        self.inner.watch_removals(listener)
-
-    def close(self) -> None:
-        self.inner.close()
