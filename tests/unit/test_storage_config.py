@@ -153,3 +153,30 @@ def test_a_bad_value_is_refused_naming_its_field(storage, field) -> None:
     with pytest.raises(ConfigError) as error:
         parse_storage(storage)
     assert error.value.field == field
+
+
+def test_a_vllm_start_parses_its_storage_once_per_process(tmp_path, kinds, monkeypatch) -> None:
+    """The settings check, the scheduler's and the worker's connector and the launcher's rank
+    configs all read the storage of one engine process: one parse, one typed value, the same
+    on every side (the environment merged in included). Another environment is another parse."""
+    # local: the engine side's settings and launcher (kept out of this module's imports)
+    from kvtier.engine.launcher import worker_configs
+    from kvtier.vllm.settings import ConnectorSettings
+
+    parses = []
+    file_kind = storage_config._kind("file")  # loaded (a kind is imported on first use)
+    kinds["file"] = dataclasses.replace(
+        file_kind, parse=lambda options: parses.append(options) or file_kind.parse(options)
+    )
+    monkeypatch.delenv("KVTIER_STORAGE", raising=False)
+    storage = {"backend": "file", "capacity_bytes": 1 << 30}  # the default root: from XDG
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a"))
+    scheduler = ConnectorSettings.from_extra_config({"storage": storage})
+    worker = ConnectorSettings.from_extra_config({"storage": storage})
+    ranks = worker_configs(CONTRACT_SPEC, 2, storage, f"cfg{uuid.uuid4().hex[:6]}", None, {})
+    typed = {id(c.storage_config) for c in (scheduler, worker, *ranks)}
+    assert len(parses) == 1 and len(typed) == 1
+    assert scheduler.storage_config.options.root == tmp_path / "a" / "kvtier" / "store"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    moved = ConnectorSettings.from_extra_config({"storage": storage}).storage_config
+    assert len(parses) == 2 and moved.options.root == tmp_path / "b" / "kvtier" / "store"

@@ -15,12 +15,21 @@ The built-in kinds are the packages ``kvtier.storage.file``, ``.memory``, ``.moo
 is the engine user's, as trusted as the code it runs), or registered by code with
 ``register_backend``. Only the kinds a config names are imported. Nothing here imports torch:
 ``kvtier --help`` and ``kvtier store`` parse configs without loading a backend.
+
+Once per process: a mapping is parsed the first time a process asks, and the same typed value
+is returned for the same mapping under the same environment after that (parsers read a few
+variables: ``XDG_CACHE_HOME`` for the default root, ``AWS_ENDPOINT_URL``). A vLLM start asks
+from its settings check, its scheduler and worker connectors and its launcher, and the kvtier
+worker from its own config: one parse in the engine's process and one in each worker's.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -216,15 +225,39 @@ class ChainConfig:
 StorageConfig = BackendConfig | ChainConfig
 
 
+# Typed values already parsed in this process, by (mapping, environment): a few per process.
+_PARSED: dict[tuple[str, frozenset[tuple[str, str]]], StorageConfig] = {}
+_PARSED_LOCK = threading.Lock()
+MAX_REMEMBERED_PARSES = 32
+
+
 def parse_storage(config: Mapping[str, Any] | StorageConfig | None) -> StorageConfig:
     """The typed form of a storage mapping (already typed: returned as is; None: the default
-    file store). ConfigError names the field; nothing is opened or created."""
+    file store). ConfigError names the field; nothing is opened or created. Parsed once per
+    process (the module docstring)."""
     if isinstance(config, (BackendConfig, ChainConfig)):
         return config
     if config is None:
         config = {"backend": "file"}
     if not isinstance(config, Mapping):
         raise ConfigError("storage", "must be a mapping with a 'backend' key (or 'tiers')")
+    try:
+        key = (json.dumps(config, sort_keys=True), frozenset(os.environ.items()))
+    except (TypeError, ValueError):  # not plain data (a value of a type JSON lacks): parse it
+        return _parse(config)
+    with _PARSED_LOCK:
+        known = _PARSED.get(key)
+    if known is not None:
+        return known
+    parsed = _parse(config)
+    with _PARSED_LOCK:
+        if len(_PARSED) >= MAX_REMEMBERED_PARSES:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = parsed
+    return parsed
+
+
+def _parse(config: Mapping[str, Any]) -> StorageConfig:
     if "tiers" in config:
         return _parse_chain(config)
     return _parse_backend(config)

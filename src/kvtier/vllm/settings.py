@@ -92,14 +92,15 @@ class ConnectorSettings:
 
         given = Source(f"{PREFIX}.storage", {"storage": self.storage})
         merged = merge([*env_sources(os.environ), given])
-        return parse_storage(merged.values.get("storage"))
+        try:
+            return parse_storage(merged.values.get("storage"))
+        except ConfigError as e:
+            raise merged.explain(e) from None
 
     def check(self) -> None:
-
-        if self.storage is not None:
-            if not isinstance(self.storage, Mapping):
-                raise ConfigError(f"{PREFIX}.storage", "must be a mapping with a 'backend' key")
-            parse_storage(self.storage)
+        if self.storage is not None and not isinstance(self.storage, Mapping):
+            raise ConfigError(f"{PREFIX}.storage", "must be a mapping with a 'backend' key")
+        _ = self.storage_config  # the storage the workers will run, checked now (parsed once)
         for name in ("start_timeout_s", "task_timeout_s"):
             positive(f"{PREFIX}.{name}", getattr(self, name))
         if self.kv_events not in KV_EVENTS:
