@@ -201,7 +201,7 @@ def test_a_slab_flip_fails_the_batch_at_that_object_and_the_rest_stays_out() -> 
             pool.block(i).copy_(expected_block(key, size))
         assert store.put_from(keys, [pool.block(i) for i in range(4)]) == [True] * 4
         want = [bytes(pool.block(i).numpy()) for i in range(4)]
-        store._payloads[store._slots[keys[2]]][size // 2] ^= 0x01  # a bit flips in memory
+        store._payloads[store._slots.of(keys[2])][size // 2] ^= 0x01  # a bit flips in memory
         targets = [
             [memoryview(bytearray(size // 2)), memoryview(bytearray(size // 2))] for _ in keys
         ]

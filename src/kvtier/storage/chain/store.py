@@ -37,10 +37,11 @@ from kvtier.storage.base import (
 )
 from kvtier.storage.chain.promotion import Promotion
 from kvtier.storage.chain.removals import ChainRemovals
+from kvtier.storage.chain.scattered import ChainScattered
 from kvtier.storage.chain.writer import LowerWriter, TierHealth
 from kvtier.storage.config import WRITE_MODES
 from kvtier.storage.format import ObjectFormat
-from kvtier.storage.object_store import check_batch, check_scattered
+from kvtier.storage.object_store import check_batch
 from kvtier.storage.wrappers.delegating import Delegating
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class TieredStore(Delegating):
         self._removal_listener: Callable[[list[str]], None] | None = None
         self.health = TierHealth([t.wrapped.kind for t in self.tiers])
         self.promotion = Promotion(self.tiers, self.health)
+        self._scattered = ChainScattered(self)
         self.writer: LowerWriter | None = None
         if len(self.tiers) > 1:
             self.writer = LowerWriter(
@@ -120,13 +122,8 @@ class TieredStore(Delegating):
         return all(t.quick_lookups for t in self.tiers)
 
     def scattered(self) -> ScatteredIO | None:
-        """The chain itself (``ScatteredIO``) where its top tier reads scattered: blocks that
-        only tiers reading host blocks hold end such a read (``covers_all`` False)."""
-        return self if self.tiers[0].scattered() is not None else None
-
-    @property
-    def covers_all(self) -> bool:
-        return all(t.scattered() is not None for t in self.tiers)
+        """Where the top tier reads scattered: ``ChainScattered``, over the tiers that do."""
+        return self._scattered if self.tiers[0].scattered() is not None else None
 
     def promoter(self) -> Promotes:
         return self.promotion
@@ -143,15 +140,15 @@ class TieredStore(Delegating):
     def wrapped(self) -> StorageBackend:
         return self
 
-    def _live(self) -> list[tuple[int, StorageBackend]]:
+    def live_tiers(self) -> list[tuple[int, StorageBackend]]:
         live = [(level, t) for level, t in enumerate(self.tiers) if self.health.up(level)]
         if not live:
             raise StorageUnavailable("every storage tier is unavailable")
         return live
 
-    def _answered(self, result):
+    def answered(self, result):
         """``result``, unless every tier turned out to be down while it was computed."""
-        self._live()
+        self.live_tiers()
         return result
 
     # ---- the contract ------------------------------------------------------------------------
@@ -161,7 +158,7 @@ class TieredStore(Delegating):
 
     def prefix_tiers(self, keys: Sequence[str]) -> tuple[int, bytes]:
         """Runs of the prefix, each from the fastest live tier that holds its first block."""
-        levels, live = bytearray(), self._live()
+        levels, live = bytearray(), self.live_tiers()
         while len(levels) < len(keys):
             for level, tier in live:
                 found = self.health.ask(level, tier.exists_prefix, keys[len(levels) :], default=0)
@@ -170,10 +167,12 @@ class TieredStore(Delegating):
                     break
             else:
                 break
-        return self._answered((len(levels), bytes(levels) if any(levels) else b""))
+        return self.answered((len(levels), bytes(levels) if any(levels) else b""))
 
     def holds(self, key: str) -> bool:
-        return any(self.health.ask(level, t.holds, key, default=False) for level, t in self._live())
+        return any(
+            self.health.ask(level, t.holds, key, default=False) for level, t in self.live_tiers()
+        )
 
     def read(self, request: Read) -> ReadResult:
         """Each block from the fastest tier that holds it; those from below promoted, unless
@@ -183,7 +182,7 @@ class TieredStore(Delegating):
             raise StorageError(f"{len(keys)} keys but {len(host_blocks)} host blocks")
         result, below = ReadResult.empty(request), []
         todo = list(range(len(keys)))
-        for level, tier in self._live():
+        for level, tier in self.live_tiers():
             if not todo:
                 break
             got = _get_from(self, level, tier, request, todo, result)
@@ -195,54 +194,19 @@ class TieredStore(Delegating):
             known = None if sums is None else [int(sums[i]) for i in promote]
             blocks = [host_blocks[i] for i in promote]
             self.promotion.put(self.tiers[0].put_from, [keys[i] for i in promote], blocks, known)
-        self._answered(result)
+        self.answered(result)
         if request.counted:
-            self._count(result.found)
+            self.count_reads(result.found)
         return result
-
-    def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
-        """Each block from the fastest tier that reads scattered and holds it; a block only the
-        others hold ends the run (``covers_all``)."""
-        start, up = 0, self._live()
-        live = [(level, io) for level, t in up if (io := t.scattered()) is not None]
-        check_scattered(keys, targets, None if live else self.payload_bytes)  # else by a tier
-        while start < len(keys):
-            for level, io in live:
-                args = (keys[start:], targets[start:], go_on)
-                got = self.health.ask(
-                    level, io.get_into_scattered, *args, default=[False] * len(args[0])
-                )
-                run = got.index(False) if False in got else len(got)
-                if run:
-                    if level > 0:  # verified bytes: the top tier hashes them itself
-                        self.promotion.loaded_from(level, keys[start : start + run])
-                        self.promotion.put(
-                            self.tiers[0].scattered().put_from_scattered,  # type: ignore[union-attr]
-                            keys[start : start + run],
-                            targets[start : start + run],
-                        )
-                    start += run
-                    break
-            else:
-                break
-        results = self._answered([True] * start + [False] * (len(keys) - start))
-        if len(live) < len(up):  # the rest is asked for with ``read``, which counts it
-            self._own.add(hits=start)
-            return results
-        return self._count(results)
 
     def put_from(self, keys, host_blocks, checksums=None, originals=None) -> list[bool]:
         check_batch(keys, host_blocks, self.payload_bytes, checksums)
-        return self._put(keys, "put_from", host_blocks, checksums, originals)
+        return self.put_into(keys, "put_from", host_blocks, checksums, originals)
 
-    def put_from_scattered(self, keys, sources) -> list[bool]:
-        check_scattered(keys, sources, self.payload_bytes)
-        return self._put(keys, "put_from_scattered", sources)
-
-    def _put(self, keys, method: str, *args) -> list[bool]:
+    def put_into(self, keys, method: str, *args) -> list[bool]:
         """Into the first live tier (the top unless down) taking such puts; below: the writer."""
         scattered = method == "put_from_scattered"
-        for level, tier in self._live():
+        for level, tier in self.live_tiers():
             target = tier.scattered() if scattered else tier
             if target is None:
                 continue
@@ -259,13 +223,20 @@ class TieredStore(Delegating):
             if writer:
                 writer.unexpect([k for k, stored in zip(keys, ok) if not stored])
                 writer.saved([k for k, stored in zip(keys, ok) if stored])
-            return self._count(ok, "puts", "put_failures")
+            return self.count_reads(ok, "puts", "put_failures")
         which = " that writes from a device block's pieces" if scattered else ""
         raise StorageUnavailable(f"every storage tier{which} is unavailable")
 
-    def _count(self, results: list[bool], hit: str = "hits", miss: str = "misses") -> list[bool]:
+    def count_reads(
+        self, results: list[bool], hit: str = "hits", miss: str = "misses"
+    ) -> list[bool]:
+        """The engine's reads (or, with ``puts``/``put_failures``, writes) of the chain."""
         self._own.add(**{hit: sum(results), miss: len(results) - sum(results)})
         return results
+
+    def count_hits(self, n: int) -> None:
+        """Hits of a read whose misses the caller asks for again (and then counts)."""
+        self._own.add(hits=n)
 
     def delete(self, keys: Sequence[str]) -> int:
         if self.writer is not None:

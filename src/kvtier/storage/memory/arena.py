@@ -16,8 +16,6 @@ Slots being read are pinned: a save never reuses a slot while a load copies out 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -28,6 +26,7 @@ from kvtier.memory.scatter import copy_scattered
 from kvtier.storage.base import Read, ReadResult, StorageUsage
 from kvtier.storage.format import Header, ObjectFormat
 from kvtier.storage.memory.arena_memory import ArenaMemory
+from kvtier.storage.memory.slots import Slots
 from kvtier.storage.object_store import ScatteredObjectStore
 
 
@@ -50,51 +49,31 @@ class ArenaStore(ScatteredObjectStore):
         self.capacity_bytes = slots * self.object_bytes
         self._memory = ArenaMemory(self.payload_bytes, slots)
         self._payloads, self._headers = self._memory.payloads, self._memory.headers
-        self._dropped: set[int] = set()  # unmapped while pinned: free once the reads end
-        self._slots: OrderedDict[str, int] = OrderedDict()  # LRU first
-        self._lengths = np.zeros(slots, dtype=np.int64)  # bytes written (a short one: corrupt)
-        self._free = list(range(slots - 1, -1, -1))
-        self._pins = [0] * slots  # reads in flight per slot
+        self._slots = Slots(slots)
+        self._lock = self._slots.lock  # the table's: what is known of each object goes with it
         self._sound: set[str] = set()  # objects whose header is known sound
         # Per slot whose object a put of this store wrote (not ``write_object``; None for those):
         # its header fields as parsed once at the put (key, format, fields). That object is in
         # this process's private memory, so its loads parse no header (still matched to the key
         # asked for) and skip the MAC (``ObjectFormat.check``'s ``mac``).
         self._fields: list[tuple[str, ObjectFormat, Header] | None] = [None] * slots
-        self._lock = threading.Condition()
         self._spill: Callable[[list[tuple[str, bytes]]], None] | None = None
 
     def watch_spills(self, listener: Callable[[list[tuple[str, bytes]]], None]) -> None:
         """As ``MemoryStore.watch_spills``: each evicted object, bytes included."""
         self._spill = listener
 
-    # ---- slots --------------------------------------------------------------------------------
-
-    def _release(self, slot: int) -> None:
-        """``slot`` holds no key any more (under the lock): free now, or after its reads."""
-        if self._pins[slot]:
-            self._dropped.add(slot)
-        else:
-            self._free.append(slot)
+    # ---- slots (``kvtier.storage.memory.slots``) ------------------------------------------------
 
     def _take_slot(self) -> int:
-        """A slot no key maps to: a free one, or the least recently used unpinned one."""
-        victim = None
-        with self._lock:
-            while not self._free:
-                victim = next((k for k, s in self._slots.items() if not self._pins[s]), None)
-                if victim is None:
-                    self._lock.wait(0.01)  # every slot is being read: a moment
-                    continue
-                slot = self._slots.pop(victim)
-                self._sound.discard(victim)
-                # Its bytes are copied out only for a listener (a chain writing them down).
-                if self._spill is not None:
-                    data = self._memory.read(slot, self._lengths[slot])
-                self._free.append(slot)
-                break
-            slot = self._free.pop()
+        """A slot of this put's: free, or the least recently used one, evicted (its bytes go
+        to the spill listener first: a chain writing them down)."""
+        slot, victim = self._slots.take()
         if victim is not None:
+            with self._lock:  # unless a put of the same key published it meanwhile
+                if self._slots.of(victim) is None:
+                    self._sound.discard(victim)
+            data = self._memory.read(slot, self._slots.lengths[slot]) if self._spill else b""
             self.stats.add(evictions=1)
             if self._spill is not None:
                 self._spill([(victim, data)])
@@ -105,30 +84,19 @@ class ArenaStore(ScatteredObjectStore):
         header = self._headers[slot]
         parsed = self.format.parse(header, key, self.payload_bytes) if sound else None
         with self._lock:
-            old = self._slots.pop(key, None)
-            if old is not None:
-                self._release(old)
-            self._slots[key] = slot
-            self._lengths[slot] = length
             # sound here: a header this store built
             self._fields[slot] = None if parsed is None else (key, self.format, parsed)
+            self._slots.publish(key, slot, length)
             (self._sound.add if sound else self._sound.discard)(key)
-
-    def _pin(self, key: str) -> int | None:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is not None:
-                self._slots.move_to_end(key)
-                self._pins[slot] += 1
-            return slot
 
     def _parse(self, key: str, slot: int) -> Header:
         """The header fields of ``key``'s object in ``slot`` (ObjectCorrupt if unsound)."""
         cached = self._fields[slot]
         if cached is not None and cached[0] == key and cached[1] is self.format:
             return cached[2]
-        if self._lengths[slot] != self.object_bytes:
-            raise ObjectCorrupt(f"object is {self._lengths[slot]} bytes, not {self.object_bytes}")
+        length = self._slots.lengths[slot]
+        if length != self.object_bytes:
+            raise ObjectCorrupt(f"object is {length} bytes, not {self.object_bytes}")
         return self.format.parse(self._headers[slot], key, self.payload_bytes)
 
     def _bad(self, key: str, error: ObjectCorrupt) -> None:
@@ -147,7 +115,7 @@ class ArenaStore(ScatteredObjectStore):
         found = self._pin_parsed([key], prefix=True)  # a bad header is removed there
         if found:
             with self._lock:
-                if self._slots.get(key) == found[0][1]:
+                if self._slots.of(key) == found[0][1]:
                     self._sound.add(key)
             self._unpin_all(found)
         return bool(found)
@@ -225,17 +193,7 @@ class ArenaStore(ScatteredObjectStore):
     def _pin_parsed(self, keys, prefix: bool) -> list[tuple[int, int, Header]]:
         """(index, slot, header fields) of each stored key whose header is sound, its slot
         pinned; a bad header is removed. ``prefix``: stop at the first key that is neither."""
-        pinned = []
-        with self._lock:  # one acquisition for the batch
-            for i, key in enumerate(keys):
-                slot = self._slots.get(key)
-                if slot is None:
-                    if prefix:
-                        break
-                    continue
-                self._slots.move_to_end(key)
-                self._pins[slot] += 1
-                pinned.append((i, slot))
+        pinned = self._slots.pin(keys, prefix)
         found = []
         for n, (i, slot) in enumerate(pinned):
             try:
@@ -249,15 +207,8 @@ class ArenaStore(ScatteredObjectStore):
         return found
 
     def _unpin_all(self, found) -> None:
-        """Unpin the slots of ``found`` ((index, slot, ...) rows), under one acquisition."""
-        with self._lock:
-            for row in found:
-                slot = row[1]
-                self._pins[slot] -= 1
-                if not self._pins[slot] and slot in self._dropped:
-                    self._dropped.discard(slot)
-                    self._free.append(slot)
-            self._lock.notify_all()
+        """Unpin the slots of ``found`` ((index, slot, ...) rows)."""
+        self._slots.unpin(row[1] for row in found)
 
     def _copy_out(self, found, targets, hashes: np.ndarray | None) -> None:
         """The payloads of ``found``'s slots into ``targets`` (pieces per object), in one
@@ -299,26 +250,23 @@ class ArenaStore(ScatteredObjectStore):
         removed = 0
         with self._lock:
             for key in keys:
-                slot = self._slots.pop(key, None)
                 self._sound.discard(key)
-                if slot is not None:
-                    self._release(slot)  # a pinned reader still finishes its copy
-                    removed += 1
+                removed += self._slots.remove(key)  # a pinned reader still finishes its copy
         return removed
 
     def usage(self) -> StorageUsage:
-        with self._lock:
-            n = len(self._slots)
+        n = len(self._slots)
         return StorageUsage(n * self.object_bytes, n, self.capacity_bytes)
 
     def read_object(self, key: str) -> bytes | None:
-        slot = self._pin(key)
-        if slot is None:
+        pinned = self._slots.pin([key], prefix=True)
+        if not pinned:
             return None
+        slot = pinned[0][1]
         try:
-            return self._memory.read(slot, self._lengths[slot])
+            return self._memory.read(slot, self._slots.lengths[slot])
         finally:
-            self._unpin_all([(None, slot)])
+            self._slots.unpin([slot])
 
     def write_object(self, key: str, data: bytes) -> None:
         if len(data) > self.object_bytes:
