@@ -110,3 +110,20 @@ def test_fault_config_errors_name_the_field() -> None:
         make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"error_rate": 2}})
     with pytest.raises(ConfigError, match="storage.faults.jitter: unknown fault option"):
         make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"jitter": 1}})
+
+
+def test_every_way_a_worker_looks_up_goes_through_the_faults() -> None:
+    """The worker asks ``prefix_tiers`` (and answers on its loop thread when lookups are
+    quick): a wrapper that forwarded either to the store it wraps would make an injected
+    latency or outage miss lookups (seen when the wrapper moved onto the delegating base)."""
+    store = make_backend(CONTRACT_SPEC, {"backend": "memory", "faults": {"latency_s": 0.2}})
+    assert isinstance(store, FaultInjectingStore) and store.wrapped.quick_lookups
+    assert not store.quick_lookups  # its lookups sleep by design: never on the loop thread
+    start = time.monotonic()
+    assert store.prefix_tiers(make_keys(2)) == (0, b"")
+    assert store.exists_prefix(make_keys(2)) == 0
+    assert time.monotonic() - start >= 0.4
+    store.set_unavailable(True)
+    with pytest.raises(StorageUnavailable):
+        store.prefix_tiers(make_keys(1))
+    store.close()

@@ -34,6 +34,10 @@ class FaultInjectingStore(Delegating):
         self._started = time.monotonic()
         self._forced_unavailable = False
 
+    @property
+    def quick_lookups(self) -> bool:  # type: ignore[override]
+        return False  # its lookups sleep, stall and fail by design: never on a worker's loop
+
     def set_unavailable(self, unavailable: bool) -> None:
         """Switch an outage on or off by hand (in addition to the configured window)."""
         self._forced_unavailable = unavailable
@@ -67,6 +71,10 @@ class FaultInjectingStore(Delegating):
     def exists_prefix(self, keys: Sequence[str]) -> int:
         self._enter("exists_prefix")
         return self.inner.exists_prefix(keys)
+
+    def prefix_tiers(self, keys: Sequence[str]) -> tuple[int, bytes]:
+        self._enter("exists_prefix")  # a lookup, as the worker makes it
+        return self.inner.prefix_tiers(keys)
 
     def read(self, request: Read) -> ReadResult:
         check_batch(request.keys, request.host_blocks, self.payload_bytes)
