@@ -234,7 +234,8 @@ class ObjectFormat:
         the caller to verify the bytes later. ``mac``: as for ``check``. ``headers_out`` (with
         ``checksums_out``): the MAC is the caller's too — a private copy of the header, the one
         checked here, goes to ``headers_out[index]`` for ``check_deferred`` on bytes no peer of
-        the store can write (``StorageBackend.get_into``)."""
+        the store can write. (A backend's ``ReadResult.checksums`` and ``.headers``: None
+        unless the ``Read`` leaves the check to its caller, ``kvtier.storage.base.Verify``.)"""
         if headers_out is not None:
             raw = bytes(header[:HEADER_BYTES])  # the header may sit in memory a peer can write
             checksums_out[index] = self.parse(raw, key, len(payload)).checksum
@@ -250,10 +251,10 @@ class ObjectFormat:
             self._check_mac(header, key, [payload])
 
     def check_deferred(self, header: bytes, key: str, payload: Sequence) -> None:
-        """The payload check a ``get_into(..., headers_out=...)`` left to its caller, over the
+        """The payload check a ``Read`` with ``Verify.ALL_BY_CALLER`` left to its caller, over the
         bytes where they now lie (a list of buffers, in order; memory no peer of the store can
         write): the MAC where objects are authenticated (it covers the checksum field too),
-        the checksum otherwise. ``header``: the private copy from ``headers_out``. Raises
+        the checksum otherwise. ``header``: the private copy from ``ReadResult.headers``. Raises
         ObjectCorrupt."""
         if self.mac_key is not None:
             self._check_mac(header, key, payload)

@@ -199,7 +199,8 @@ class FileStore(ScatteredObjectStore):
     ) -> bool:
         """Read one object into a host block (a tensor) or a list of buffers (scattered),
         hashed as it is read unless the caller verifies it while it copies (checksums_out,
-        headers_out: ``StorageBackend.get_into``); ``go_on``: as for ``get_into_scattered``,
+        headers_out: a ``ReadResult``'s, ``kvtier.storage.base.Verify``); ``go_on``: as for
+        ``get_into_scattered``,
         called before the read."""
         if go_on is not None:
             go_on(f"before reading object {index} into its targets")
