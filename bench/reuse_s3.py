@@ -61,14 +61,14 @@ def s3_chain(root: Path, outage_s: float) -> Iterator[tuple[dict[str, Any], dict
     try:
         yield storage, {"start": timer.start, "happened": happened}
     finally:
-        # Counted while the outage thread lives: the restarted server dies with it
-        # (PR_SET_PDEATHSIG), and a count after the join raced that death.
-        if happened.get("s3_restarted") is True:
-            happened["s3_objects_at_end"] = _count(server)
-        stop.set()
-        if timer.ident is not None:
-            timer.join()
-        server.stop()
+        try:  # counted while the outage thread lives: the restarted server dies with it
+            if happened.get("s3_restarted") is True:  # (PR_SET_PDEATHSIG); after the join,
+                happened["s3_objects_at_end"] = _count(server)  # the count raced that death
+        finally:  # and a failed count still stops the server (its sockets were left)
+            stop.set()
+            if timer.ident is not None:
+                timer.join()
+            server.stop()
 
 
 def _count(server: LocalS3Server) -> int:
