@@ -136,18 +136,20 @@ class StagedRoute:
     def fetch(self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn) -> Fetched:
         """A staging's worth at a time, until a chunk comes back short or with a block that
         failed its check."""
-        done = Fetched(0, np.zeros(0, dtype=bool))
+        done, goods, error = 0, [np.zeros(0, dtype=bool)], None
         step = self.load_staging.size
-        while done.fetched < len(storage_keys):
-            chunk = slice(done.fetched, min(len(storage_keys), done.fetched + step))
+        while done < len(storage_keys):
+            chunk = slice(done, min(len(storage_keys), done + step))
             try:
                 fetched, good = self._fetch_chunk(storage_keys[chunk], dev[chunk], go_on)
             except StorageUnavailable as e:
-                return done.then(Fetched(0, np.zeros(0, dtype=bool), e))
-            done = done.then(Fetched(fetched, good))
+                error = e
+                break
+            done += fetched
+            goods.append(good)
             if fetched < chunk.stop - chunk.start or not good.all():
                 break
-        return done
+        return Fetched(done, np.concatenate(goods), error)  # joined once, not per chunk
 
     def _fetch_chunk(
         self, storage_keys: list[str], dev: np.ndarray, go_on: GoOn
