@@ -162,6 +162,18 @@ def require_vllm() -> None:
         pytest.skip(f"vLLM not usable: {e} (README, command 2)", allow_module_level=True)
 
 
+def require_peer(package: str) -> None:
+    """Skip (locally) or fail (CI sets KVTIER_TESTS_REQUIRE=<package>) where another project's
+    package that a hosted surface plugs into (``lmcache``) cannot be imported (README, command
+    2 installs it)."""
+    try:
+        importlib.import_module(package)
+    except ImportError as e:
+        if package in REQUIRED:
+            pytest.fail(f"{package} is required here (KVTIER_TESTS_REQUIRE): {e}")
+        pytest.skip(f"{package} not installed: {e} (README, command 2)", allow_module_level=True)
+
+
 def require_native(name: str) -> Any:
     """The compiled module ``name`` (``kvtier._copy``, ``kvtier._fileio``), or skip (locally:
     no C compiler at install) / fail (CI sets KVTIER_TESTS_REQUIRE=native: every copy and

@@ -1,0 +1,1 @@
+"""kvtier's storage as a lower tier of an engine's own offloading (SGLang, LMCache, vLLM)."""

@@ -1,0 +1,218 @@
+"""Shelf: kvtier's storage inside an engine's own process, for that engine's offloading tiers.
+
+SGLang's HiCache, LMCache's L2 adapters and vLLM's secondary tiers each hand their lower tier
+host memory and a page hash. A Shelf turns those into kvtier objects: keys that carry the
+model, the weight version, the layout fingerprint and the rank (``KeyScheme``), objects that
+are checksummed (or MACed) and checked on every read, bounded tiers that evict. It runs no
+kvtier worker process: the backends are opened here, and every call is thread-safe (the
+backends' contract).
+
+The engine's hash is used as it is when it is a plain 16–64-byte hash; anything else (a shorter
+hash, or one that needs more context to be unique: LMCache's object group and cache salt) is
+folded into a SHA-256 with that context first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.hosted.settings import HostedSettings
+from kvtier.layout.keys import (
+    MAX_HASH_BYTES,
+    MIN_HASH_BYTES,
+    VERSION_FILE,
+    KeyScheme,
+    read_weight_version,
+)
+from kvtier.layout.spec import KVCacheSpec
+from kvtier.storage import StorageBackend, make_backend
+
+log = logging.getLogger(__name__)
+
+# How often a Shelf reading its version from ``model_dir`` looks at the file again (one stat):
+# a weight update is seen within this, and a lookup costs no file access in between.
+VERSION_CHECK_S = 1.0
+_FOLD_DOMAIN = b"kvtier-hosted-v1\0"
+# Key schemes kept built (one per rank in use): an engine has a few ranks; LMCache names one
+# per key in its own benchmark.
+MAX_SCHEMES = 1024
+
+
+def fold_hash(engine_hash: bytes, context: bytes = b"") -> bytes:
+    """The kvtier block hash for ``engine_hash`` under ``context``: the hash itself when it is a
+    plain 16–64-byte hash and there is no context, else a SHA-256 of both (never ambiguous:
+    each part is length-prefixed)."""
+    if not context and MIN_HASH_BYTES <= len(engine_hash) <= MAX_HASH_BYTES:
+        return engine_hash
+    h = hashlib.sha256(_FOLD_DOMAIN)
+    h.update(struct.pack("<I", len(engine_hash)))
+    h.update(engine_hash)
+    h.update(context)
+    return h.digest()
+
+
+def bytes_spec(object_bytes: int, layout: str) -> KVCacheSpec:
+    """A layout for engines that hand over opaque objects of ``object_bytes`` bytes; ``layout``
+    names their byte order (in the fingerprint: another order or size is another key)."""
+    if object_bytes <= 0:
+        raise ConfigError("object_bytes", f"must be > 0, got {object_bytes}")
+    return KVCacheSpec(
+        num_layers=1,
+        num_blocks=1,
+        num_kv_heads=1,
+        block_size=1,
+        head_dim=object_bytes,
+        dtype="uint8",
+        has_value=False,
+        engine_layout=layout,
+    )
+
+
+class _Version:
+    """The weight version: fixed, or read from ``model_dir`` and read again when it changes."""
+
+    def __init__(self, settings: HostedSettings) -> None:
+        self._fixed = settings.weight_version
+        self._file = Path(settings.model_dir) / VERSION_FILE if settings.model_dir else None
+        self._stamp: tuple[int, int] | None = None
+        self._checked = 0.0
+        self._value = self._fixed or ""
+        self._lock = threading.Lock()
+        if self._file is not None:
+            self._refresh()
+
+    def current(self) -> str:
+        if self._file is not None and time.monotonic() - self._checked >= VERSION_CHECK_S:
+            with self._lock:
+                self._refresh()
+        return self._value
+
+    def _refresh(self) -> None:
+        assert self._file is not None
+        self._checked = time.monotonic()
+        try:
+            st = os.stat(self._file)
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp == self._stamp and self._stamp is not None:
+            return
+        self._stamp = stamp
+        value = read_weight_version(self._file.parent)
+        if value != self._value:
+            log.info("kvtier: weight version %r -> %r (%s)", self._value, value, self._file)
+        self._value = value
+
+
+class Shelf:
+    """One engine rank's objects of one layout in kvtier's storage (module docstring).
+
+    ``open()`` opens the backend (the file store scans its directory); ``close()`` closes it.
+    """
+
+    def __init__(self, settings: HostedSettings, spec: KVCacheSpec, rank: int = 0) -> None:
+        if not settings.namespace:
+            raise ConfigError("namespace", "must not be empty (the engine's model name)")
+        self.settings = settings
+        self.spec = spec
+        self.rank = rank
+        self.object_bytes = spec.block_bytes
+        self._version = _Version(settings)
+        self._schemes: dict[tuple[str, int], KeyScheme] = {}
+        self._schemes_version = ""
+        self._backend: StorageBackend | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def open(self) -> Shelf:
+        if self._backend is None:
+            self._backend = make_backend(self.spec, self.settings.storage)
+        return self
+
+    def close(self) -> None:
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+
+    def __enter__(self) -> Shelf:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def backend(self) -> StorageBackend:
+        if self._backend is None:
+            raise RuntimeError("Shelf.open() first")
+        return self._backend
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        return self._version.current()
+
+    def keys(self, block_hashes: Sequence[bytes], rank: int | None = None) -> list[str]:
+        """Storage keys of ``block_hashes`` (kvtier hashes: ``fold_hash``) for ``rank`` (default:
+        this shelf's) under the current weight version: build them once per task, so a version
+        change mid-task cannot split it."""
+        rank = self.rank if rank is None else rank
+        version = self.version
+        scheme = self._schemes.get((version, rank))
+        if scheme is None:
+            if len(self._schemes) >= MAX_SCHEMES or version != self._schemes_version:
+                self._schemes = {}  # an old version's keys are never built again
+                self._schemes_version = version
+            scheme = KeyScheme(self.settings.namespace, self.spec.fingerprint, rank, version)
+            self._schemes[(version, rank)] = scheme
+        return scheme.keys(block_hashes)
+
+    # ---- data --------------------------------------------------------------------------------
+
+    def lookup_prefix(self, keys: Sequence[str]) -> int:
+        return self.backend.exists_prefix(keys)
+
+    def lookup_each(self, keys: Sequence[str]) -> list[bool]:
+        backend = self.backend
+        return [backend.holds(key) for key in keys]
+
+    def put(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Store each block (a uint8 tensor of ``object_bytes``) under its key."""
+        return self.backend.put_from(keys, blocks)
+
+    def get(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill each block with its key's object; True only where the bytes are exactly the
+        stored ones (checksum or MAC, layout fingerprint, key)."""
+        return self.backend.get_into(keys, blocks)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self.backend.delete(keys)
+
+    def stats(self) -> dict[str, Any]:
+        backend = self.backend
+        usage = backend.usage()
+        return {
+            **backend.stats.as_dict(),
+            "used_bytes": usage.used_bytes,
+            "objects": usage.num_objects,
+            "capacity_bytes": usage.capacity_bytes,
+            "weight_version": self.version,
+        }
+
+
+def as_block(buffer: memoryview | torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over ``buffer`` without a copy."""
+    if isinstance(buffer, torch.Tensor):
+        return buffer.view(torch.uint8).reshape(-1) if buffer.is_contiguous() else buffer
+    return torch.frombuffer(buffer, dtype=torch.uint8)

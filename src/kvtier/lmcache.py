@@ -1,0 +1,324 @@
+"""kvtier's storage as an LMCache L2 adapter (LMCache's multi-process mode, ``plugin`` type).
+
+LMCache loads it by configuration only::
+
+    {"type": "plugin", "module_path": "kvtier.lmcache", "class_name": "KvtierL2Adapter",
+     "adapter_params": {"storage": {"backend": "file", "root": "/data/kv"},
+                        "model_dir": "/models/llama"}}
+
+``adapter_params`` are ``kvtier.hosted.settings`` plus ``workers`` (threads running tasks,
+default 4) and ``object_bytes`` (object sizes to look up before one is stored or loaded in this
+process: set it to find what a previous process stored). Keys: the chunk hash with its object
+group, cache salt and model name folded in, the weight version, the layout (the object's size)
+and ``kv_rank`` as kvtier's rank. Every load is checked (checksum or MAC, layout, key): a bad
+object is a miss, never bytes.
+
+The interface (``lmcache.v1.distributed.l2_adapters.base``): tasks are submitted, run on this
+adapter's threads and polled; each kind signals its own event fd when one finishes. A lookup's
+bitmap is the leading run of stored keys (what a load can use). Locks are counted per key and
+released by ``submit_unlock``; kvtier's tiers do not pin objects, so one evicted between a
+lookup and its load is a miss in that load (the interface allows it). Bytes are accounted per
+``cache_salt`` as objects are stored, and as kvtier's tiers evict them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.hosted.settings import HostedSettings
+from kvtier.hosted.shelf import Shelf, as_block, bytes_spec, fold_hash
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
+
+log = logging.getLogger(__name__)
+
+LAYOUT = "lmcache-l2"  # in the fingerprint: LMCache's objects are opaque bytes to kvtier
+DEFAULT_NAMESPACE = "lmcache"
+MAX_WORKERS = 64
+
+
+class KvtierL2AdapterConfig(L2AdapterConfigBase):
+    """``adapter_params`` (module docstring), checked with the field named."""
+
+    def __init__(self, settings: HostedSettings, workers: int, object_bytes: tuple[int, ...]):
+        self.settings = settings
+        self.workers = workers
+        self.object_bytes = object_bytes
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KvtierL2AdapterConfig:
+        settings = HostedSettings.parse(d, "adapter_params", ignore=("workers", "object_bytes"))
+        if not settings.namespace:
+            settings = HostedSettings(
+                settings.storage, DEFAULT_NAMESPACE, settings.weight_version, settings.model_dir
+            )
+        workers = d.get("workers", 4)
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise ConfigError("adapter_params.workers", f"must be an integer, got {workers!r}")
+        if not 1 <= workers <= MAX_WORKERS:
+            raise ConfigError("adapter_params.workers", f"must be 1..{MAX_WORKERS}")
+        sizes = d.get("object_bytes", [])
+        sizes = [sizes] if isinstance(sizes, int) else sizes
+        if not isinstance(sizes, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
+        ):
+            raise ConfigError("adapter_params.object_bytes", "must be sizes in bytes (> 0)")
+        return cls(settings, workers, tuple(sizes))
+
+    @classmethod
+    def help(cls) -> str:
+        return __doc__ or ""
+
+
+def _context(key: ObjectKey) -> bytes:
+    """What besides the chunk hash makes an LMCache key unique (kv_rank is kvtier's rank)."""
+    salt = key.cache_salt.encode()
+    model = key.model_name.encode()
+    return struct.pack("<II", key.object_group_id, len(salt)) + salt + model
+
+
+class KvtierL2Adapter(L2AdapterInterface):
+    """An L2 adapter over kvtier's storage (module docstring)."""
+
+    def __init__(self, config: KvtierL2AdapterConfig | dict, **_: Any) -> None:
+        # LMCache passes a config built by ``KvtierL2AdapterConfig.from_dict`` (found by name),
+        # or the raw dict when a caller builds the adapter itself.
+        if not isinstance(config, KvtierL2AdapterConfig):
+            config = KvtierL2AdapterConfig.from_dict(config)
+        super().__init__(max_capacity_bytes=0)  # kvtier's tiers bound and evict themselves
+        self._config = config
+        self._shelves: dict[int, Shelf] = {}
+        self._shelves_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # results, locks, accounting below
+        self._stores_done: dict[L2TaskId, L2StoreResult] = {}
+        self._lookups_done: dict[L2TaskId, Bitmap] = {}
+        self._loads_done: dict[L2TaskId, Bitmap] = {}
+        self._locked: Counter[ObjectKey] = Counter()
+        self._stored: dict[str, tuple[ObjectKey, int]] = {}  # storage key -> LMCache key, size
+        self._evicted: list[str] = []
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvtier-l2")
+        self._closed = False
+        for size in config.object_bytes:
+            self._shelf(size)
+
+    # ---- event fds ---------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    # ---- tasks -------------------------------------------------------------------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit(self._store, keys, objects)
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._stores_done = self._stores_done, {}
+        return done
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        return self._submit(self._lookup, keys, None)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._lookups_done.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                if self._locked[key] <= 1:
+                    self._locked.pop(key, None)
+                else:
+                    self._locked[key] -= 1
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit(self._load, keys, objects)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._loads_done.pop(task_id, None)
+
+    def locked_keys(self) -> int:
+        """How many keys are locked now (for tests and ``report_status``)."""
+        with self._lock:
+            return len(self._locked)
+
+    # ---- status and lifecycle ----------------------------------------------------------------
+
+    def report_status(self) -> dict:
+        with self._shelves_lock:
+            shelves = dict(self._shelves)
+        healthy = not self._closed
+        status: dict[str, Any] = {"is_healthy": healthy, "type": "KvtierL2Adapter"}
+        try:
+            status["objects"] = {size: shelf.stats() for size, shelf in shelves.items()}
+        except KvtierError as e:
+            status.update(is_healthy=False, error=str(e))
+        status["locked_keys"] = self.locked_keys()
+        return status
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._shelves_lock:
+            shelves, self._shelves = list(self._shelves.values()), {}
+        for shelf in shelves:
+            shelf.close()
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            efd.close()
+
+    # ---- running tasks -----------------------------------------------------------------------
+
+    def _submit(
+        self,
+        run: Callable[[L2TaskId, list[ObjectKey], list[MemoryObj] | None], None],
+        keys: list[ObjectKey],
+        objects: list[MemoryObj] | None,
+    ) -> L2TaskId:
+        if self._closed:
+            raise RuntimeError("KvtierL2Adapter is closed")
+        if objects is not None and len(objects) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        task_id = next(self._ids)
+        self._pool.submit(run, task_id, keys, objects)
+        return task_id
+
+    def _shelf(self, size: int) -> Shelf:
+        with self._shelves_lock:
+            shelf = self._shelves.get(size)
+            if shelf is None:
+                shelf = Shelf(self._config.settings, bytes_spec(size, LAYOUT)).open()
+                shelf.backend.watch_removals(self._on_removed)
+                self._shelves[size] = shelf
+            return shelf
+
+    def _storage_keys(self, shelf: Shelf, keys: Sequence[ObjectKey]) -> list[str]:
+        by_rank: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_rank.setdefault(key.kv_rank, []).append(i)
+        out = [""] * len(keys)
+        for rank, where in by_rank.items():
+            hashes = [fold_hash(keys[i].chunk_hash, _context(keys[i])) for i in where]
+            for i, storage_key in zip(where, shelf.keys(hashes, rank), strict=True):
+                out[i] = storage_key
+        return out
+
+    def _store(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
+        ok, written = True, 0
+        try:
+            for size, where in _by_size(objects).items():
+                shelf = self._shelf(size)
+                subset = [keys[i] for i in where]
+                storage_keys = self._storage_keys(shelf, subset)
+                fresh = [j for j, k in enumerate(storage_keys) if not shelf.backend.holds(k)]
+                blocks = [as_block(objects[where[j]].byte_array) for j in fresh]
+                stored = shelf.put([storage_keys[j] for j in fresh], blocks)
+                ok = ok and all(stored)
+                new = [j for j, good in zip(fresh, stored, strict=True) if good]
+                written += size * len(new)
+                self._account([storage_keys[j] for j in new], [subset[j] for j in new], size)
+        except Exception as e:  # answered as a failed store; the cause is logged
+            log.warning("kvtier L2 store task %d failed: %s", task_id, e)
+            ok = False
+        self._finish(self._stores_done, task_id, L2StoreResult(ok, written), self._store_efd)
+
+    def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey], _: Any) -> None:
+        bitmap = Bitmap(len(keys))
+        found = 0
+        try:
+            with self._shelves_lock:
+                shelves = list(self._shelves.values())
+            for shelf in shelves:
+                found = max(found, shelf.lookup_prefix(self._storage_keys(shelf, keys)))
+        except Exception as e:  # answered as misses
+            log.warning("kvtier L2 lookup task %d failed: %s", task_id, e)
+        if found:
+            bitmap.set_range(0, found)
+            with self._lock:
+                self._locked.update(keys[:found])
+        self._finish(self._lookups_done, task_id, bitmap, self._lookup_efd)
+
+    def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
+        bitmap = Bitmap(len(keys))
+        loaded: list[ObjectKey] = []
+        try:
+            for size, where in _by_size(objects).items():
+                shelf = self._shelf(size)
+                subset = [keys[i] for i in where]
+                blocks = [as_block(objects[i].byte_array) for i in where]
+                good = shelf.get(self._storage_keys(shelf, subset), blocks)
+                for i, hit in zip(where, good, strict=True):
+                    if hit:
+                        bitmap.set(i)
+                        loaded.append(keys[i])
+        except Exception as e:  # answered as misses
+            log.warning("kvtier L2 load task %d failed: %s", task_id, e)
+        if loaded:
+            self._notify_keys_accessed(loaded)
+        self._finish(self._loads_done, task_id, bitmap, self._load_efd)
+
+    def _finish(self, done: dict, task_id: L2TaskId, result: Any, efd: Any) -> None:
+        self._report_evicted()
+        with self._lock:
+            done[task_id] = result
+        efd.notify()
+
+    # ---- byte accounting ---------------------------------------------------------------------
+
+    def _account(self, storage_keys: list[str], keys: list[ObjectKey], size: int) -> None:
+        if not keys:
+            return
+        with self._lock:
+            for storage_key, key in zip(storage_keys, keys, strict=True):
+                self._stored[storage_key] = (key, size)
+        self._notify_keys_stored(keys, [size] * len(keys))
+
+    def _on_removed(self, storage_keys: list[str]) -> None:
+        # Called by a backend, possibly under its locks: queued, reported after the task.
+        with self._lock:
+            self._evicted.extend(storage_keys)
+
+    def _report_evicted(self) -> None:
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+            gone = [self._stored.pop(k) for k in evicted if k in self._stored]
+        if gone:
+            self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])
+
+
+def _by_size(objects: Sequence[MemoryObj]) -> dict[int, list[int]]:
+    """Indices of ``objects`` by their size in bytes (almost always one size)."""
+    groups: dict[int, list[int]] = {}
+    for i, obj in enumerate(objects):
+        groups.setdefault(obj.get_size(), []).append(i)
+    return groups

@@ -1,0 +1,273 @@
+"""kvtier as LMCache's L2 adapter, created and driven by LMCache's own code (its plugin factory,
+its benchmark's keys and memory objects, its event fds, its ``lmcache bench l2``): bytes
+round-trip equal; a stale weight version, a corrupt object and another rank are misses; the
+store's bound holds and LMCache's per-salt accounting follows kvtier's evictions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require_peer
+
+require_peer("lmcache")
+
+from lmcache.cli.commands.bench.l2_adapter_bench.data import (  # noqa: E402
+    make_aligned_tensor,
+    make_memory_objects,
+    make_object_keys,
+)
+from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
+from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
+    parse_args_to_l2_adapters_config,
+)
+from lmcache.v1.platform import consume_fd  # noqa: E402
+
+from kvtier.hosted import shelf as shelf_module  # noqa: E402
+from kvtier.lmcache import KvtierL2Adapter  # noqa: E402
+
+OBJECT_BYTES = 64 * 1024
+# A task is a few file operations: this bounds a wait on a busy machine, never a pass.
+TASK_TIMEOUT_S = 30.0
+
+
+def adapter_json(root: Path, **params: object) -> str:
+    return json.dumps(
+        {
+            "type": "plugin",
+            "module_path": "kvtier.lmcache",
+            "class_name": "KvtierL2Adapter",
+            "adapter_params": {"storage": {"backend": "file", "root": str(root)}, **params},
+        }
+    )
+
+
+def make_adapter(root: Path, **params: object) -> KvtierL2Adapter:
+    """The adapter as LMCache creates it: from its JSON, through its plugin factory."""
+    config = parse_args_to_l2_adapters_config(
+        argparse.Namespace(l2_adapter=[adapter_json(root, **params)])
+    )
+    adapter = create_l2_adapter(config.adapters[0])
+    assert isinstance(adapter, KvtierL2Adapter)
+    return adapter
+
+
+def wait(fd: int, poll) -> object:
+    """Wait on an adapter's event fd until ``poll()`` answers (as LMCache's controllers do)."""
+    while True:
+        result = poll()
+        if result is not None:
+            return result
+        ready, _, _ = select.select([fd], [], [], TASK_TIMEOUT_S)
+        assert ready, "no task finished within TASK_TIMEOUT_S"
+        consume_fd(fd)
+
+
+def store(adapter, keys, objects) -> int:
+    task = adapter.submit_store_task(keys, objects)
+    done = wait(
+        adapter.get_store_event_fd(),
+        lambda: adapter.pop_completed_store_tasks().get(task),
+    )
+    return int(done)
+
+
+def lookup(adapter, keys) -> list[int]:
+    task = adapter.submit_lookup_and_lock_task(keys, {})
+    bitmap = wait(
+        adapter.get_lookup_and_lock_event_fd(),
+        lambda: adapter.query_lookup_and_lock_result(task),
+    )
+    return list(bitmap.get_indices_list())
+
+
+def load(adapter, keys, objects) -> list[int]:
+    task = adapter.submit_load_task(keys, objects)
+    bitmap = wait(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+    return list(bitmap.get_indices_list())
+
+
+def buffers(n: int, fill_offset: int = 0):
+    """LMCache's benchmark objects: ``n`` views of one buffer, object i filled with i+offset."""
+    backing = make_aligned_tensor(n * OBJECT_BYTES)
+    return make_memory_objects(backing, n, OBJECT_BYTES, 0, fill_offset)
+
+
+def randomize(objects, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for obj in objects:
+        raw = obj.raw_tensor
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def test_lmcache_creates_it_and_pages_round_trip_byte_exact(tmp_path):
+    adapter = make_adapter(tmp_path)
+    try:
+        keys = make_object_keys(12)
+        objects = buffers(12)
+        randomize(objects, seed=1)
+        assert store(adapter, keys, objects) == 12 * OBJECT_BYTES
+        assert lookup(adapter, keys) == list(range(12))
+        assert adapter.locked_keys() == 12
+        adapter.submit_unlock(keys)
+        assert adapter.locked_keys() == 0
+        out = buffers(12, fill_offset=99)
+        assert load(adapter, keys, out) == list(range(12))
+        for a, b in zip(objects, out, strict=True):
+            assert bytes(a.byte_array) == bytes(b.byte_array)
+        # A second store of the same keys writes nothing and is still a success.
+        assert store(adapter, keys, objects) == 0
+        # Keys never stored: lookup and load miss.
+        unknown = make_object_keys(3, key_offset=1000)
+        assert lookup(adapter, unknown) == []
+        assert load(adapter, unknown, buffers(3)) == []
+        status = adapter.report_status()
+        assert status["is_healthy"] and status["objects"][OBJECT_BYTES]["objects"] == 12
+    finally:
+        adapter.close()
+
+
+def test_a_lookup_answers_the_stored_prefix(tmp_path):
+    adapter = make_adapter(tmp_path)
+    try:
+        keys = make_object_keys(6)
+        objects = buffers(6)
+        store(adapter, keys[:2] + keys[3:], objects[:2] + objects[3:])
+        assert lookup(adapter, keys) == [0, 1]  # stops at the hole
+    finally:
+        adapter.close()
+
+
+def test_a_stale_weight_version_gets_no_hit(tmp_path, monkeypatch):
+    monkeypatch.setattr(shelf_module, "VERSION_CHECK_S", 0.0)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "version.yaml").write_text("version: RL-STEP1-20261207-abc\n")
+    adapter = make_adapter(tmp_path / "store", model_dir=str(model))
+    try:
+        keys = make_object_keys(4)
+        store(adapter, keys, buffers(4))
+        assert lookup(adapter, keys) == [0, 1, 2, 3]
+        (model / "version.yaml").write_text("version: RL-STEP2-20261207-def\n")
+        os.utime(model / "version.yaml", ns=(1, 1))  # another mtime, whatever the clock
+        assert lookup(adapter, keys) == []
+        assert load(adapter, keys, buffers(4)) == []
+    finally:
+        adapter.close()
+
+
+def test_a_corrupt_object_is_a_miss_never_bytes(tmp_path):
+    adapter = make_adapter(tmp_path)
+    try:
+        keys = make_object_keys(3)
+        objects = buffers(3)
+        randomize(objects, seed=2)
+        store(adapter, keys, objects)
+        shelf = adapter._shelf(OBJECT_BYTES)
+        storage_key = adapter._storage_keys(shelf, keys[1:2])[0]
+        raw = bytearray(shelf.backend.read_object(storage_key))
+        raw[-100] ^= 0x01  # one payload bit
+        shelf.backend.write_object(storage_key, bytes(raw))
+        out = buffers(3, fill_offset=7)
+        assert load(adapter, keys, out) == [0, 2]
+        assert bytes(out[0].byte_array) == bytes(objects[0].byte_array)
+        assert shelf.backend.stats.corrupt == 1
+        assert lookup(adapter, keys) == [0]  # removed, so a hole now
+    finally:
+        adapter.close()
+
+
+def test_two_ranks_never_share_a_key(tmp_path):
+    adapter = make_adapter(tmp_path)
+    try:
+        chunk = (7).to_bytes(16, "big")
+        rank0 = [ObjectKey(chunk_hash=chunk, model_name="m", kv_rank=0)]
+        rank1 = [ObjectKey(chunk_hash=chunk, model_name="m", kv_rank=1)]
+        a, b = buffers(1, fill_offset=1), buffers(1, fill_offset=2)
+        store(adapter, rank0, a)
+        assert lookup(adapter, rank1) == []
+        store(adapter, rank1, b)
+        out0, out1 = buffers(1, fill_offset=50), buffers(1, fill_offset=60)
+        assert load(adapter, rank0, out0) == [0] and load(adapter, rank1, out1) == [0]
+        assert bytes(out0[0].byte_array) == bytes(a[0].byte_array)
+        assert bytes(out1[0].byte_array) == bytes(b[0].byte_array)
+        salted = [ObjectKey(chunk_hash=chunk, model_name="m", kv_rank=0, cache_salt="u1")]
+        assert lookup(adapter, salted) == []  # a salt is its own key space too
+    finally:
+        adapter.close()
+
+
+def test_capacity_holds_and_lmcache_accounts_bytes_per_salt_through_evictions(tmp_path):
+    capacity = 10 * (OBJECT_BYTES + 4096)
+    adapter = make_adapter(tmp_path, storage={
+        "backend": "file", "root": str(tmp_path), "capacity_bytes": capacity,
+    })
+    try:
+        salts = ("alice", "bob")
+        for round_ in range(3):
+            for s, salt in enumerate(salts):
+                keys = [
+                    ObjectKey(
+                        chunk_hash=(1000 * round_ + 10 * s + i).to_bytes(16, "big"),
+                        model_name="m",
+                        kv_rank=0,
+                        cache_salt=salt,
+                    )
+                    for i in range(4)
+                ]
+                assert store(adapter, keys, buffers(4)) >= 0
+        shelf = adapter._shelf(OBJECT_BYTES)
+        usage = shelf.backend.usage()
+        assert usage.used_bytes <= capacity
+        assert shelf.backend.stats.evictions > 0
+        lookup(adapter, [])  # a task reports the evictions queued since the last
+        reported = adapter.get_usage()
+        assert reported.total_bytes_used == usage.num_objects * OBJECT_BYTES
+        assert sum(reported.bytes_by_cache_salt.values()) == reported.total_bytes_used
+        assert set(reported.bytes_by_cache_salt) <= set(salts)
+    finally:
+        adapter.close()
+
+
+def test_bad_calls_and_settings_name_the_cause(tmp_path):
+    adapter = make_adapter(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="2 keys but 1 objects"):
+            adapter.submit_store_task(make_object_keys(2), buffers(1))
+    finally:
+        adapter.close()
+    with pytest.raises(ValueError, match="adapter_params.workers"):
+        make_adapter(tmp_path, workers=0)
+    with pytest.raises(ValueError, match="adapter_params.colour: unknown setting"):
+        make_adapter(tmp_path, colour="blue")
+
+
+def test_lmcache_bench_l2_drives_it_and_verifies_every_byte(tmp_path):
+    """LMCache's own benchmark, as a user runs it: every key stored, found and loaded, and its
+    round-trip check passes."""
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "lmcache.cli.main", "bench", "l2",
+        "--l2-adapter", adapter_json(tmp_path / "store"),
+        "--num-keys", "16", "--data-size-kb", "64", "--in-flight", "2", "--rounds", "2",
+        "--lookup-max-hit-rate", "1.0", "--no-skip-verify",
+        "--format", "json", "--output", str(out), "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    metrics = json.loads(out.read_text())["metrics"]
+    ops = {m["operation"]: m for k, m in metrics.items() if k.startswith("op_")}
+    assert ops["Store"]["total_success"] == ops["Store"]["total_keys"] == 64
+    assert ops["Load"]["total_success"] == ops["Load"]["total_keys"] == 64
+    assert ops["Lookup"]["total_success"] == 64
