@@ -209,9 +209,14 @@ def test_two_ranks_never_share_a_key(tmp_path):
 
 def test_capacity_holds_and_lmcache_accounts_bytes_per_salt_through_evictions(tmp_path):
     capacity = 10 * (OBJECT_BYTES + 4096)
-    adapter = make_adapter(tmp_path, storage={
-        "backend": "file", "root": str(tmp_path), "capacity_bytes": capacity,
-    })
+    adapter = make_adapter(
+        tmp_path,
+        storage={
+            "backend": "file",
+            "root": str(tmp_path),
+            "capacity_bytes": capacity,
+        },
+    )
     try:
         salts = ("alice", "bob")
         for round_ in range(3):

@@ -35,7 +35,7 @@ from kvtier.layout.keys import (
     KeyScheme,
     read_weight_version,
 )
-from kvtier.layout.spec import KVCacheSpec
+from kvtier.layout.spec import CacheDType, KVCacheSpec
 from kvtier.storage import StorageBackend, make_backend
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def bytes_spec(object_bytes: int, layout: str) -> KVCacheSpec:
         num_kv_heads=1,
         block_size=1,
         head_dim=object_bytes,
-        dtype="uint8",
+        dtype=CacheDType.UINT8,
         has_value=False,
         engine_layout=layout,
     )
