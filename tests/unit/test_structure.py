@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 60
 # The packages, lowest layer first: a module imports only its own package and the ones before it
 # (docs/architecture.md, "Module map"). `kvtier.testing` comes last: nothing imports it.
 LAYERS = ["common", "layout", "memory", "transport", "storage", "hosted", "worker", "engine"]
-LAYERS += ["vllm", "lmcache", "ops"]
+LAYERS += ["vllm", "lmcache", "sglang", "ops"]
 LAYERS += ["testing"]
 ANYWHERE = {"kvtier", "kvtier.errors"}  # the lazy root and the exception tree
 

@@ -196,6 +196,30 @@ class Shelf:
         stored ones (checksum or MAC, layout fingerprint, key)."""
         return self.backend.get_into(keys, blocks)
 
+    def put_pieces(self, keys: Sequence[str], pieces: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Store each key's object from its pieces, in order (an engine page that lies in
+        several buffers: SGLang's K and V). Straight from them where the store writes pieces
+        (``ScatteredIO``), else gathered into one block first."""
+        scattered = self.backend.scattered()
+        if scattered is not None and scattered.covers_all:
+            return scattered.put_from_scattered(keys, pieces)
+        blocks = [_gather(parts, self.object_bytes) for parts in pieces]
+        return self.backend.put_from(keys, blocks)
+
+    def get_pieces(self, keys: Sequence[str], pieces: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Fill each key's pieces with its object, checked as ``get`` is; stops at the first
+        miss (the caller uses the leading run). Pieces of a miss are left or zeroed, never hold
+        bytes that failed a check."""
+        scattered = self.backend.scattered()
+        if scattered is not None and scattered.covers_all:
+            return scattered.get_into_scattered(keys, pieces)
+        blocks = [torch.empty(self.object_bytes, dtype=torch.uint8) for _ in keys]
+        found = self.backend.get_into(keys, blocks)
+        for block, parts, hit in zip(blocks, pieces, found, strict=True):
+            if hit:
+                _scatter(block, parts)
+        return found
+
     def delete(self, keys: Sequence[str]) -> int:
         return self.backend.delete(keys)
 
@@ -216,3 +240,23 @@ def as_block(buffer: memoryview | torch.Tensor) -> torch.Tensor:
     if isinstance(buffer, torch.Tensor):
         return buffer.view(torch.uint8).reshape(-1) if buffer.is_contiguous() else buffer
     return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _gather(parts: Sequence[memoryview], total: int) -> torch.Tensor:
+    block = torch.empty(total, dtype=torch.uint8)
+    flat = block.numpy().data
+    at = 0
+    for part in parts:
+        flat[at : at + part.nbytes] = part.cast("B")
+        at += part.nbytes
+    if at != total:
+        raise ValueError(f"pieces of {at} bytes for an object of {total}")
+    return block
+
+
+def _scatter(block: torch.Tensor, parts: Sequence[memoryview]) -> None:
+    flat = block.numpy().data
+    at = 0
+    for part in parts:
+        part.cast("B")[:] = flat[at : at + part.nbytes]
+        at += part.nbytes
