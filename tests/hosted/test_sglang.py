@@ -8,8 +8,8 @@ Where this stops: SGLang 0.5.23's host pool classes (``pool_host``) import its m
 which import torchvision (a CUDA build on PyPI that breaks transformers beside the CPU torch),
 and its HiCache refuses the CPU platform. So the host pool here is real memory laid out as its
 ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` lay it out, answering
-``get_page_buffer_meta`` with 0.5.23's formulas (``pool_host/mha.py``); no SGLang server runs
-(docs/sglang.md)."""
+``get_page_buffer_meta`` with 0.5.23's formulas (``kvtier.testing.engines``); no SGLang server
+runs (docs/sglang.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import hashlib
 import os
 
 import pytest
-import torch
 
 from conftest import require_peer
 
@@ -28,58 +27,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 from kvtier.hosted import shelf as shelf_module  # noqa: E402
 from kvtier.sglang import KvtierHiCacheStorage  # noqa: E402
-
-PAGE = 4  # tokens per page
-PAGES = 16
-
-
-class HostPool:
-    """SGLang's host KV pool: one buffer, and each page's buffers as ``get_page_buffer_meta``
-    names them (MHA: K and V; MLA: one), in SGLang 0.5.23's layouts."""
-
-    def __init__(self, layout: str = "page_first", mla: bool = False, layers: int = 3) -> None:
-        self.layout, self.mla, self.page_size = layout, mla, PAGE
-        self.layer_num, self.head_num, self.head_dim = layers, 1 if mla else 2, 16
-        self.dtype = torch.bfloat16
-        self.size = PAGE * PAGES
-        token = (self.layer_num, self.head_num, self.head_dim)
-        inner = (self.layer_num, self.size) if layout == "layer_first" else (self.size,)
-        shape = inner + (token[1:] if layout == "layer_first" else token)
-        self.kv_buffer = torch.zeros(((1,) if mla else (2,)) + shape, dtype=self.dtype)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor):
-        item = self.dtype.itemsize
-        per_token = self.head_num * self.head_dim * item
-        base = self.kv_buffer.data_ptr()
-        v_offset = self.layer_num * self.size * per_token
-        ptrs: list[int] = []
-        for first in indices.tolist()[:: self.page_size]:
-            if self.layout == "layer_first":
-                for layer in range(self.layer_num):
-                    k = base + first * per_token + layer * self.size * per_token
-                    ptrs += [k] if self.mla else [k, k + v_offset]
-                size = item * self.page_size * self.head_num * self.head_dim
-            else:
-                k = base + first * self.layer_num * per_token
-                ptrs += [k] if self.mla else [k, k + v_offset]
-                size = self.layer_num * item * self.page_size * self.head_num * self.head_dim
-        return ptrs, [size] * len(ptrs)
-
-    def indices(self, pages: list[int]) -> torch.Tensor:
-        return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
-
-    def page_bytes(self, page: int) -> bytes:
-        ptrs, sizes = self.get_page_buffer_meta(self.indices([page]))
-        return b"".join(
-            bytes((torch.frombuffer(self.kv_buffer.view(torch.uint8).numpy(), dtype=torch.uint8)
-                   [p - self.kv_buffer.data_ptr(): p - self.kv_buffer.data_ptr() + n]).numpy())
-            for p, n in zip(ptrs, sizes, strict=True)
-        )  # fmt: skip
-
-    def fill(self, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        raw = self.kv_buffer.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+from kvtier.testing.engines import SGLangHostPool as HostPool  # noqa: E402
 
 
 def page_keys(n: int, salt: str = "") -> list[str]:

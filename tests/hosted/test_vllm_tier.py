@@ -11,10 +11,7 @@ tier here; the scheduler side below is all of it that runs without a GPU (docs/v
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,119 +24,26 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     Medium,
     OffloadingEvent,
-    ReqContext,
-    ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvtier.hosted import shelf as shelf_module  # noqa: E402
-from kvtier.vllm.tier import KvtierTier, tier_config  # noqa: E402
+from kvtier.testing.engines import VllmOffloading  # noqa: E402
+from kvtier.vllm.tier import KvtierTier  # noqa: E402
 
 ROW_BYTES = 8192  # one chunk of every worker: a page multiple, as vLLM's region needs
 CHUNKS = 8
 # Each wait is a few file operations on this tier's threads: a bound for a busy machine.
 WAIT_S = 30.0
-STEP = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
 
 
-class Engine:
-    """vLLM's scheduler side of native offloading, built by vLLM from its configuration."""
-
-    def __init__(self, tier_settings: dict, tp_size: int = 1, events: bool = True) -> None:
-        self.engine_id = f"kvtiertest{uuid.uuid4().hex[:10]}"
-        config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
-            worker_kv_bytes_per_block=ROW_BYTES // tp_size,
-            enable_kv_cache_events=events,
-            extra_config={
-                "cpu_bytes_to_use": ROW_BYTES * CHUNKS,
-                "secondary_tiers": [tier_config(**tier_settings)],
-            },
-            engine_id=self.engine_id,
-            model=OffloadingModelConfig("org/model", "bfloat16"),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(0, tp_size, tp_size, 1, 1, 1, 0, 1, None, False),
-        )
-        self.spec = TieringOffloadingSpec(config)
-        try:
-            self.manager = self.spec.get_manager()
-        except BaseException:
-            self._unlink_region()
-            raise
-        self.tier = self.manager.secondary_tiers[0]
-        assert isinstance(self.tier, KvtierTier)
-        view = self.manager.primary_tier.get_kv_memoryview()
-        self.rows = torch.frombuffer(view.cast("B"), dtype=torch.uint8).view(CHUNKS, -1)
-        self._requests = 0
-
-    def request(self) -> ReqContext:
-        self._requests += 1
-        ctx = ReqContext(req_id=f"r{self._requests}")
-        self.manager.on_new_request(ctx)
-        return ctx
-
-    def offload(self, keys, data: torch.Tensor) -> None:
-        """What vLLM does when blocks leave the GPU: CPU chunks, then the cascade to the tier."""
-        ctx = self.request()
-        out = self.manager.prepare_store(keys, ctx)
-        assert out is not None and list(out.keys_to_store) == list(keys)
-        for row, chunk in zip(data, out.store_spec.block_ids, strict=True):
-            self.rows[chunk].copy_(row)
-        self.manager.complete_store(keys, ctx)
-        self.settle()
-
-    def settle(self) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while self.tier.has_pending_work() or self.manager.has_pending_work():
-            assert time.monotonic() < deadline, "the tier did not finish its jobs"
-            self.manager.on_schedule_end(STEP)
-            time.sleep(0.005)
-        self.manager.on_schedule_end(STEP)
-
-    def forget_cpu(self) -> None:
-        """vLLM's reset (sleep, weight update): the CPU tier forgets; the tier keeps."""
-        self.manager.reset_cache()
-        self.rows.zero_()
-
-    def find(self, keys) -> list[LookupResult]:
-        """Look ``keys`` up as the scheduler does, step after step, until each is answered (a
-        tier hit is promoted into the CPU tier first)."""
-        ctx = self.request()
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            results = [self.manager.lookup(k, ctx) for k in keys]
-            waiting = {LookupResult.RETRY, LookupResult.HIT_PENDING}
-            if not waiting & set(results):
-                return results
-            assert time.monotonic() < deadline, f"lookups not answered: {results}"
-            self.manager.on_schedule_end(STEP)
-            time.sleep(0.005)
-
-    def cpu_rows(self, keys) -> torch.Tensor:
-        spec = self.manager.prepare_load(keys, self.request())
-        return torch.stack([self.rows[c].clone() for c in spec.block_ids])
-
-    def close(self) -> None:
-        del self.rows
-        self.manager.shutdown()
-        self._unlink_region()
-
-    def _unlink_region(self) -> None:
-        # The scheduler's region, made by this test (no workers here to remove it).
-        Path(f"/dev/shm/vllm_offload_{self.engine_id}.mmap").unlink(missing_ok=True)
+def Engine(tier_settings: dict, tp_size: int = 1) -> VllmOffloading:  # noqa: N802
+    return VllmOffloading(tier_settings, ROW_BYTES, CHUNKS, tp_size, wait_s=WAIT_S)
 
 
 @pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
+def engines() -> Iterator[list[VllmOffloading]]:
+    made: list[VllmOffloading] = []
     yield made
     for engine in made:
         engine.close()
@@ -158,6 +62,7 @@ def test_vllm_builds_the_tier_and_promotes_its_chunks_byte_exact(tmp_path, engin
     engine = Engine({"storage": {"backend": "file", "root": str(tmp_path)},
                      "enable_kv_events": True})  # fmt: skip
     engines.append(engine)
+    assert isinstance(engine.tier, KvtierTier)  # built by vLLM's SecondaryTierFactory
     keys, data = keys_of(1, 2, 3), rows_like(3, seed=1)
     engine.offload(keys, data)
     assert engine.tier.stats()["objects"] == 3
