@@ -121,7 +121,7 @@ class VllmOffloading:
         )
         self.spec = TieringOffloadingSpec(config)
         try:
-            self.manager = self.spec.get_manager()
+            self.manager: Any = self.spec.get_manager()  # a TieringOffloadingManager
         except BaseException:
             self._unlink_region()
             raise
@@ -141,7 +141,7 @@ class VllmOffloading:
     def offload(self, keys: list, data: torch.Tensor) -> None:
         """What vLLM does when blocks leave the GPU: CPU chunks, then the cascade to the tier."""
         ctx = self.request()
-        out = self.manager.prepare_store(keys, ctx)
+        out: Any = self.manager.prepare_store(keys, ctx)
         if out is None or list(out.keys_to_store) != list(keys):
             raise RuntimeError(f"vLLM's CPU tier took {out and out.keys_to_store} of {keys}")
         for row, chunk in zip(data, out.store_spec.block_ids, strict=True):
@@ -181,7 +181,7 @@ class VllmOffloading:
             time.sleep(0.001)
 
     def cpu_rows(self, keys: list) -> torch.Tensor:
-        spec = self.manager.prepare_load(keys, self.request())
+        spec: Any = self.manager.prepare_load(keys, self.request())
         return torch.stack([self.rows[c].clone() for c in spec.block_ids])
 
     def close(self) -> None:
