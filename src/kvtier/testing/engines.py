@@ -121,12 +121,13 @@ class VllmOffloading:
         )
         self.spec = TieringOffloadingSpec(config)
         try:
-            self.manager: Any = self.spec.get_manager()  # a TieringOffloadingManager
+            manager: Any = self.spec.get_manager()  # a TieringOffloadingManager
         except BaseException:
             self._unlink_region()
             raise
-        self.tier = self.manager.secondary_tiers[0]
-        view = self.manager.primary_tier.get_kv_memoryview()
+        self.manager = manager
+        self.tier = manager.secondary_tiers[0]
+        view = manager.primary_tier.get_kv_memoryview()
         self.rows = torch.frombuffer(view.cast("B"), dtype=torch.uint8).view(chunks, -1)
         self._requests = 0
 
