@@ -376,7 +376,14 @@ def decide_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per scenario")
 
 
+def hosted_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier_bench.hosted import arguments  # local: its options live with it (this file's size)
+
+    arguments(p)
+
+
 ARGUMENTS = {
+    "hosted": hosted_arguments,
     "decide": decide_arguments,
     "reuse": reuse_arguments,
     "router": router_arguments,

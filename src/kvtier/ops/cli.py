@@ -53,6 +53,7 @@ BENCHES = {  # name -> what it measures; the code is kvtier_bench.<name>
     "router": "vllm-router in front of a kvtier server: TTFT through it vs direct",
     "reuse": "vllm bench serve's prefix_repetition vs vllm serve, kvtier at its defaults vs none",
     "decide": "load or recompute replayed on the audit's sequences: hits lost vs an oracle",
+    "hosted": "kvtier under LMCache, SGLang, vLLM: lmcache bench l2 vs fs; each vs storage alone",
 }
 
 
