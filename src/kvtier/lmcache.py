@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 LAYOUT = "lmcache-l2"  # in the fingerprint: LMCache's objects are opaque bytes to kvtier
 DEFAULT_NAMESPACE = "lmcache"
 MAX_WORKERS = 64
+# LMCache keys whose kvtier hash is kept (a dict lookup instead of a SHA-256 per key and task):
+# ~200 bytes each, emptied when full.
+MAX_FOLDED = 1 << 16
 
 
 class KvtierL2AdapterConfig(L2AdapterConfigBase):
@@ -112,6 +116,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._loads_done: dict[L2TaskId, Bitmap] = {}
         self._locked: Counter[ObjectKey] = Counter()
         self._stored: dict[str, tuple[ObjectKey, int]] = {}  # storage key -> LMCache key, size
+        self._folded: dict[ObjectKey, bytes] = {}
         self._evicted: list[str] = []
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -223,13 +228,24 @@ class KvtierL2Adapter(L2AdapterInterface):
             return shelf
 
     def _storage_keys(self, shelf: Shelf, keys: Sequence[ObjectKey]) -> list[str]:
+        folded = self._folded
+        if len(folded) > MAX_FOLDED:
+            folded.clear()
+        hashes = []
+        for key in keys:
+            h = folded.get(key)
+            if h is None:
+                h = folded[key] = fold_hash(key.chunk_hash, _context(key))
+            hashes.append(h)
         by_rank: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             by_rank.setdefault(key.kv_rank, []).append(i)
+        if len(by_rank) == 1:
+            return shelf.keys(hashes, keys[0].kv_rank)
         out = [""] * len(keys)
         for rank, where in by_rank.items():
-            hashes = [fold_hash(keys[i].chunk_hash, _context(keys[i])) for i in where]
-            for i, storage_key in zip(where, shelf.keys(hashes, rank), strict=True):
+            built = shelf.keys([hashes[i] for i in where], rank)
+            for i, storage_key in zip(where, built, strict=True):
                 out[i] = storage_key
         return out
 
@@ -240,8 +256,11 @@ class KvtierL2Adapter(L2AdapterInterface):
                 shelf = self._shelf(size)
                 subset = [keys[i] for i in where]
                 storage_keys = self._storage_keys(shelf, subset)
-                fresh = [j for j, k in enumerate(storage_keys) if not shelf.backend.holds(k)]
-                blocks = [as_block(objects[where[j]].byte_array) for j in fresh]
+                # What this adapter stored is not written again (nor counted twice); anything
+                # else is put, which keeps an object already stored (kvtier's put contract).
+                with self._lock:
+                    fresh = [j for j, k in enumerate(storage_keys) if k not in self._stored]
+                blocks = [_block(objects[where[j]]) for j in fresh]
                 stored = shelf.put([storage_keys[j] for j in fresh], blocks)
                 ok = ok and all(stored)
                 new = [j for j, good in zip(fresh, stored, strict=True) if good]
@@ -275,7 +294,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             for size, where in _by_size(objects).items():
                 shelf = self._shelf(size)
                 subset = [keys[i] for i in where]
-                blocks = [as_block(objects[i].byte_array) for i in where]
+                blocks = [_block(objects[i]) for i in where]
                 good = shelf.get(self._storage_keys(shelf, subset), blocks)
                 for i, hit in zip(where, good, strict=True):
                     if hit:
@@ -314,6 +333,18 @@ class KvtierL2Adapter(L2AdapterInterface):
             gone = [self._stored.pop(k) for k in evicted if k in self._stored]
         if gone:
             self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])
+
+
+def _block(obj: MemoryObj) -> torch.Tensor:
+    """The object's bytes as a flat uint8 tensor, without a copy: its tensor where it has a
+    plain CPU one (LMCache's ``byte_array`` builds a ctypes array on every call)."""
+    raw = obj.raw_tensor
+    size = obj.get_size()
+    if isinstance(raw, torch.Tensor) and raw.is_contiguous() and raw.device.type == "cpu":
+        flat = raw.view(torch.uint8).reshape(-1)
+        if flat.numel() >= size:
+            return flat[:size]
+    return as_block(obj.byte_array)
 
 
 def _by_size(objects: Sequence[MemoryObj]) -> dict[int, list[int]]:

@@ -228,16 +228,14 @@ class KvtierTier(SecondaryTierManager):
         keys = list(job.keys)
         ok, moved = False, 0
         try:
+            # A put keeps an object already stored (kvtier's put contract): no lookup first.
             storage_keys = self._shelf.keys(keys)
-            held = self._shelf.lookup_each(storage_keys)
-            fresh = [i for i, h in enumerate(held) if not h]
-            blocks = self._blocks([job.chunk_ids[i] for i in fresh])
-            stored = self._shelf.put([storage_keys[i] for i in fresh], blocks)
+            stored = self._shelf.put(storage_keys, self._blocks(job.chunk_ids))
             ok = all(stored)
             moved = sum(stored) * self.block_size_bytes
             self._record_stored(
-                [storage_keys[i] for i, s in zip(fresh, stored, strict=True) if s],
-                [keys[i] for i, s in zip(fresh, stored, strict=True) if s],
+                [k for k, s in zip(storage_keys, stored, strict=True) if s],
+                [k for k, s in zip(keys, stored, strict=True) if s],
             )
         except Exception as e:  # answered as a failed job; the cause is logged
             log.warning("kvtier tier store job %d failed: %s", job.job_id, e)
