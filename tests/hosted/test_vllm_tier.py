@@ -11,8 +11,10 @@ tier here; the scheduler side below is all of it that runs without a GPU (docs/v
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
@@ -20,10 +22,16 @@ from conftest import require_vllm
 
 require_vllm()
 
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (  # noqa: E402
+    OffloadingEventsTracker,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     Medium,
     OffloadingEvent,
+    get_offload_block_hash,
     make_offload_key,
 )
 
@@ -138,6 +146,25 @@ def test_the_bound_holds_and_evictions_are_events(tmp_path, engines):
     stored = [k for e in events if not e.removed for k in e.keys]
     assert len(removed) == stats["evictions"] and len(stored) == 12
     assert len(stored) - len(removed) == stats["objects"]
+
+    # As vLLM's connector publishes them: its tracker turns them into KV events for routers,
+    # sent as msgpack and decoded with its own classes.
+    tracker = OffloadingEventsTracker(engine.spec.kv_events_config)
+    batch = KVEventBatch(ts=time.time(), events=list(tracker.take_events(events)))
+    decoded = msgspec.msgpack.Decoder(KVEventBatch).decode(msgspec.msgpack.encode(batch))
+    hashes = {
+        "stored": [h for e in decoded.events if isinstance(e, BlockStored) for h in e.block_hashes],
+        "removed": [
+            h for e in decoded.events if isinstance(e, BlockRemoved) for h in e.block_hashes
+        ],
+    }
+
+    def as_event(keys: list) -> list:  # the hash form vLLM's events carry
+        return sorted(maybe_convert_block_hash(get_offload_block_hash(k)) for k in keys)
+
+    assert sorted(hashes["stored"]) == as_event(stored)
+    assert sorted(hashes["removed"]) == as_event(removed)
+    assert {e.medium for e in decoded.events} == {"STORAGE"}
 
 
 def test_a_bad_setting_names_its_field(tmp_path):
