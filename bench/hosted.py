@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,14 @@ ADAPTERS = ("fs", "kvtier")
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of each part")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved lmcache bench l2 runs")
+    p.add_argument(
+        "--surface-rounds",
+        type=int,
+        default=15,
+        help="interleaved rounds of each surface against the store alone (writes to the page "
+        "cache stall now and then: a median needs more than a few)",
+    )
     p.add_argument("--num-keys", type=int, default=32, help="objects per batch (LMCache's)")
     p.add_argument("--data-size-kb", type=int, default=256, help="bytes per object, in KiB")
     p.add_argument("--in-flight", type=int, default=4, help="LMCache's submits in flight")
@@ -131,6 +137,7 @@ def lmcache_rows(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def lmcache_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], object]]:
     from lmcache.cli.commands.bench.l2_adapter_bench.data import (
+        create_l1_memory_desc,
         make_aligned_tensor,
         make_memory_objects,
         make_object_keys,
@@ -140,8 +147,10 @@ def lmcache_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], obj
     from kvtier.hosted.shelf import as_block, fold_hash
     from kvtier.lmcache import KvtierL2Adapter
 
-    adapter = KvtierL2Adapter({"storage": {"backend": "file", "root": str(root)}})
-    objects = make_memory_objects(make_aligned_tensor(n * size), n, size, 0)
+    l1 = make_aligned_tensor(n * size)  # LMCache's L1 arena, as its benchmark makes it
+    settings = {"storage": {"backend": "file", "root": str(root)}}
+    adapter = KvtierL2Adapter(settings, l1_memory_desc=create_l1_memory_desc(l1))
+    objects = make_memory_objects(l1, n, size, 0)
     blocks = [as_block(o.byte_array) for o in objects]
     offsets = itertools.count(step=n)
 
@@ -243,8 +252,11 @@ def vllm_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], object
     def run(submit: Callable[[TransferJob], None], keys: list) -> None:
         job = TransferJob(next(jobs), keys, chunks, False, ctx)
         submit(job)
-        while not any(r.job_id == job.job_id for r in tier.get_finished_jobs()):
-            time.sleep(0.0002)  # vLLM polls once a scheduler step; this is finer
+        # Until it is done (vLLM's own wait, in its reset), not a polling loop: vLLM polls
+        # once a scheduler step, and a tight loop here would take the GIL from the tier.
+        tier.drain_jobs()
+        if not [r for r in tier.get_finished_jobs() if r.job_id == job.job_id and r.success]:
+            raise SystemExit(f"vLLM tier job {job.job_id} failed")
 
     loaded = fresh()
     run(tier.submit_store, loaded)
@@ -270,12 +282,12 @@ def surface_rows(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     n, size = args.num_keys, args.data_size_kb * 1024
     rows = []
     for name, make in SURFACES.items():
-        progress(f"{name}: {args.rounds} interleaved rounds of {n} x {size // 1024} KiB")
+        progress(f"{name}: {args.surface_rounds} interleaved rounds of {n} x {size // 1024} KiB")
         folder = Path(tempfile.mkdtemp(prefix="surface-", dir=root))
         calls = make(folder, n, size)
         try:
             fns = {k: v for k, v in calls.items() if k != "close"}
-            timings = interleaved_timings(fns, args.rounds)
+            timings = interleaved_timings(fns, args.surface_rounds)
         finally:
             calls["close"]()
             shutil.rmtree(folder, ignore_errors=True)

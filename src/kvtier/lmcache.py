@@ -10,7 +10,7 @@ LMCache loads it by configuration only::
 default 4) and ``object_bytes`` (object sizes to look up before one is stored or loaded in this
 process: set it to find what a previous process stored). Keys: the chunk hash with its object
 group, cache salt and model name folded in, the weight version, the layout (the object's size)
-and ``kv_rank`` as kvtier's rank. Every load is checked (checksum or MAC, layout, key): a bad
+and ``kv_rank`` folded in too. Every load is checked (checksum or MAC, layout, key): a bad
 object is a miss, never bytes.
 
 The interface (``lmcache.v1.distributed.l2_adapters.base``): tasks are submitted, run on this
@@ -23,6 +23,7 @@ lookup and its load is a miss in that load (the interface allows it). Bytes are 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import struct
@@ -45,6 +46,7 @@ from kvtier.hosted.shelf import Shelf, as_block, bytes_spec, fold_hash
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
     from lmcache.v1.memory_management import MemoryObj
 
 log = logging.getLogger(__name__)
@@ -91,16 +93,22 @@ class KvtierL2AdapterConfig(L2AdapterConfigBase):
 
 
 def _context(key: ObjectKey) -> bytes:
-    """What besides the chunk hash makes an LMCache key unique (kv_rank is kvtier's rank)."""
+    """What besides the chunk hash makes an LMCache key unique: its rank (LMCache packs the
+    whole geometry into ``kv_rank``), object group, cache salt and model."""
     salt = key.cache_salt.encode()
     model = key.model_name.encode()
-    return struct.pack("<II", key.object_group_id, len(salt)) + salt + model
+    return struct.pack("<QII", key.kv_rank, key.object_group_id, len(salt)) + salt + model
 
 
 class KvtierL2Adapter(L2AdapterInterface):
     """An L2 adapter over kvtier's storage (module docstring)."""
 
-    def __init__(self, config: KvtierL2AdapterConfig | dict, **_: Any) -> None:
+    def __init__(
+        self,
+        config: KvtierL2AdapterConfig | dict,
+        l1_memory_desc: L1MemoryDesc | None = None,
+        **_: Any,
+    ) -> None:
         # LMCache passes a config built by ``KvtierL2AdapterConfig.from_dict`` (found by name),
         # or the raw dict when a caller builds the adapter itself.
         if not isinstance(config, KvtierL2AdapterConfig):
@@ -121,6 +129,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
+        self._l1 = _L1View(l1_memory_desc) if l1_memory_desc is not None else None
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvtier-l2")
         self._closed = False
         for size in config.object_bytes:
@@ -237,17 +246,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             if h is None:
                 h = folded[key] = fold_hash(key.chunk_hash, _context(key))
             hashes.append(h)
-        by_rank: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_rank.setdefault(key.kv_rank, []).append(i)
-        if len(by_rank) == 1:
-            return shelf.keys(hashes, keys[0].kv_rank)
-        out = [""] * len(keys)
-        for rank, where in by_rank.items():
-            built = shelf.keys([hashes[i] for i in where], rank)
-            for i, storage_key in zip(where, built, strict=True):
-                out[i] = storage_key
-        return out
+        return shelf.keys(hashes)
 
     def _store(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
         ok, written = True, 0
@@ -260,7 +259,7 @@ class KvtierL2Adapter(L2AdapterInterface):
                 # else is put, which keeps an object already stored (kvtier's put contract).
                 with self._lock:
                     fresh = [j for j, k in enumerate(storage_keys) if k not in self._stored]
-                blocks = [_block(objects[where[j]]) for j in fresh]
+                blocks = [self._block(objects[where[j]]) for j in fresh]
                 stored = shelf.put([storage_keys[j] for j in fresh], blocks)
                 ok = ok and all(stored)
                 new = [j for j, good in zip(fresh, stored, strict=True) if good]
@@ -294,7 +293,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             for size, where in _by_size(objects).items():
                 shelf = self._shelf(size)
                 subset = [keys[i] for i in where]
-                blocks = [_block(objects[i]) for i in where]
+                blocks = [self._block(objects[i]) for i in where]
                 good = shelf.get(self._storage_keys(shelf, subset), blocks)
                 for i, hit in zip(where, good, strict=True):
                     if hit:
@@ -305,6 +304,15 @@ class KvtierL2Adapter(L2AdapterInterface):
         if loaded:
             self._notify_keys_accessed(loaded)
         self._finish(self._loads_done, task_id, bitmap, self._load_efd)
+
+    def _block(self, obj: MemoryObj) -> torch.Tensor:
+        """The object's bytes without a copy: a slice of LMCache's L1 arena where it lies in
+        it (one slice), else its own tensor or buffer."""
+        if self._l1 is not None:
+            block = self._l1.block(obj.data_ptr, obj.get_size())
+            if block is not None:
+                return block
+        return _block(obj)
 
     def _finish(self, done: dict, task_id: L2TaskId, result: Any, efd: Any) -> None:
         self._report_evicted()
@@ -333,6 +341,22 @@ class KvtierL2Adapter(L2AdapterInterface):
             gone = [self._stored.pop(k) for k in evicted if k in self._stored]
         if gone:
             self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])
+
+
+class _L1View:
+    """LMCache's L1 arena (``L1MemoryDesc``) as one flat uint8 tensor: an object in it is a
+    slice, where building a tensor for each object costs a few microseconds each time."""
+
+    def __init__(self, desc: L1MemoryDesc) -> None:
+        self.base, self.size = desc.ptr, desc.size
+        arena = (ctypes.c_ubyte * desc.size).from_address(desc.ptr)
+        self.flat = torch.frombuffer(arena, dtype=torch.uint8)
+
+    def block(self, address: int, nbytes: int) -> torch.Tensor | None:
+        at = address - self.base
+        if at < 0 or at + nbytes > self.size:
+            return None
+        return self.flat[at : at + nbytes]
 
 
 def _block(obj: MemoryObj) -> torch.Tensor:

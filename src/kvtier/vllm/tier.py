@@ -122,7 +122,9 @@ class KvtierTier(SecondaryTierManager):
         # One flat view of the CPU tier's rows, released at shutdown (vLLM's region cannot
         # unmap while a view of it is exported).
         self._flat: memoryview | None = primary_kv_view.cast("B")
-        self._rows: torch.Tensor | None = torch.frombuffer(self._flat, dtype=torch.uint8)
+        flat = torch.frombuffer(self._flat, dtype=torch.uint8)
+        # Each chunk row as a tensor, made once (a slice per row and job costs microseconds).
+        self._row_views: list[torch.Tensor] | None = list(flat.view(-1, row).unbind(0))
         self._shelf = Shelf(parsed, bytes_spec(row, row_layout(offloading_spec, row))).open()
         self._shelf.backend.watch_removals(self._on_removed)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-tier")
@@ -187,7 +189,7 @@ class KvtierTier(SecondaryTierManager):
         self._lookups.shutdown()
         self._pool.shutdown(wait=True)
         self._shelf.close()
-        self._rows = None
+        self._row_views = None
         if self._flat is not None:
             self._flat.release()
             self._flat = None
@@ -211,10 +213,10 @@ class KvtierTier(SecondaryTierManager):
             self._inflight.discard(future)
 
     def _blocks(self, chunk_ids: Any) -> list[torch.Tensor]:
-        rows, size = self._rows, self.block_size_bytes
+        rows = self._row_views
         if rows is None:
             raise RuntimeError("the tier is shut down")
-        return [rows[int(c) * size : (int(c) + 1) * size] for c in chunk_ids]
+        return [rows[int(c)] for c in chunk_ids]
 
     def _stored(self, keys: list[OffloadKey]) -> list[bool]:
         try:
