@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,10 @@ _FOLD_DOMAIN = b"kvtier-hosted-v1\0"
 # Key schemes kept built (one per rank in use): an engine has a few ranks; LMCache names one
 # per key in its own benchmark.
 MAX_SCHEMES = 1024
+# A batch of scattered objects this large is written by this many threads at once (a store
+# writes them one by one; its whole-block puts use as many threads: storage/file/store.py).
+WRITE_STRIPES = 4
+STRIPE_MIN_BYTES = 1 << 20
 
 
 def fold_hash(engine_hash: bytes, context: bytes = b"") -> bytes:
@@ -132,6 +137,8 @@ class Shelf:
         self._schemes: dict[tuple[str, int], KeyScheme] = {}
         self._schemes_version = ""
         self._backend: StorageBackend | None = None
+        self._writers: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -141,6 +148,10 @@ class Shelf:
         return self
 
     def close(self) -> None:
+        with self._pool_lock:
+            writers, self._writers = self._writers, None
+        if writers is not None:
+            writers.shutdown(wait=True)
         backend, self._backend = self._backend, None
         if backend is not None:
             backend.close()
@@ -201,10 +212,28 @@ class Shelf:
         several buffers: SGLang's K and V). Straight from them where the store writes pieces
         (``ScatteredIO``), else gathered into one block first."""
         scattered = self.backend.scattered()
-        if scattered is not None and scattered.covers_all:
+        if scattered is None or not scattered.covers_all:
+            blocks = [_gather(parts, self.object_bytes) for parts in pieces]
+            return self.backend.put_from(keys, blocks)
+        stripes = min(WRITE_STRIPES, len(keys) * self.object_bytes // STRIPE_MIN_BYTES)
+        if stripes < 2:
             return scattered.put_from_scattered(keys, pieces)
-        blocks = [_gather(parts, self.object_bytes) for parts in pieces]
-        return self.backend.put_from(keys, blocks)
+        # A store writes scattered objects one at a time (its put_from stripes whole blocks
+        # over its own threads): a large batch is split over this shelf's writers instead.
+        pool = self._writer_pool()
+        parts = [pool.submit(scattered.put_from_scattered, keys[i::stripes], pieces[i::stripes])
+                 for i in range(stripes)]  # fmt: skip
+        results = [f.result() for f in parts]
+        out = [False] * len(keys)
+        for i, stored in enumerate(results):
+            out[i::stripes] = stored
+        return out
+
+    def _writer_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._writers is None:
+                self._writers = ThreadPoolExecutor(WRITE_STRIPES, thread_name_prefix="kvtier-put")
+            return self._writers
 
     def get_pieces(self, keys: Sequence[str], pieces: Sequence[Sequence[memoryview]]) -> list[bool]:
         """Fill each key's pieces with its object, checked as ``get`` is; stops at the first
