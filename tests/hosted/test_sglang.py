@@ -208,3 +208,19 @@ def test_bad_settings_name_the_field_and_the_copy_api_says_what_to_do(tmp_path):
             made.batch_get(["a"])
     finally:
         made.close()
+
+
+def test_a_large_batch_round_trips_through_the_striped_writers(tmp_path):
+    """Pages of 256 KiB, 12 at once: written by several threads (``Shelf.put_pieces``)."""
+    pool = HostPool(layers=8, heads=8, head_dim=64, page_size=16, pages=24)
+    made = backend(pool, {"storage": {"backend": "file", "root": str(tmp_path)}})
+    try:
+        pool.fill(seed=9)
+        keys = page_keys(12)
+        written = [pool.page_bytes(p) for p in range(12)]
+        assert made.batch_set_v1(keys, pool.indices(list(range(12)))) == [True] * 12
+        assert made.batch_exists(keys) == 12
+        assert made.batch_get_v1(keys, pool.indices(list(range(12, 24)))) == [True] * 12
+        assert [pool.page_bytes(p) for p in range(12, 24)] == written
+    finally:
+        made.close()
