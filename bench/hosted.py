@@ -30,8 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvtier_bench.common import emit, interleaved_timings, progress
 
 ADAPTERS = ("fs", "kvtier")
@@ -190,6 +188,7 @@ def lmcache_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], obj
 
 
 def sglang_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], object]]:
+    import torch  # local: `kvtier bench hosted --help` loads no torch (so do all)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     from kvtier.hosted.shelf import fold_hash
@@ -232,6 +231,7 @@ def sglang_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], obje
 
 
 def vllm_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], object]]:
+    import torch  # local: as in sglang_surface
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
