@@ -742,6 +742,17 @@ def test_oversized_lists_are_refused_at_decode() -> None:
     with pytest.raises(msgspec.ValidationError, match=f"length <= {t.MAX_IDS_PER_TASK}"):
         t.decode(big)
     assert t.peek_task_id(big) == 4  # answered with an error, not dropped
+    # A map key that is not text (an array) does not hide the task id either.
+    odd_key = (
+        b"\x85"
+        + msgspec.msgpack.encode(
+            {"type": "swap_out", "task_id": 6, "protocol_version": 0, "items": [0, 0]}
+        )[1:]
+    )
+    odd_key += b"\x92\x00\x00" + msgspec.msgpack.encode("x")  # the fifth entry: [0, 0] -> "x"
+    with pytest.raises(msgspec.ValidationError):
+        t.decode(odd_key)
+    assert t.peek_task_id(odd_key) == 6
     with pytest.raises(msgspec.ValidationError, match="length <= 64"):
         t.decode(t.encode(t.Lookup(block_hashes=[b"x" * 65])))
     for timeout_ms in (-1, t.MAX_TIMEOUT_MS + 1):  # a deadline is bounded like the rest

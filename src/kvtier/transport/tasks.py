@@ -342,10 +342,12 @@ def peek_task_id(data: bytes) -> int | None:
     """The ``task_id`` of a message that failed to decode, if one can be read safely.
 
     Only a top-level map is looked at, with every value decoded as an opaque raw slice, so a
-    malformed message of any depth costs one shallow pass.
+    malformed message of any depth costs one shallow pass. Its keys may be anything msgpack
+    allows (an array key made the whole message unreadable, and a task that carried its id
+    went unanswered: found by the socket fuzz test).
     """
     try:
-        raw = msgspec.msgpack.decode(data, type=dict[str, msgspec.Raw])
+        raw = msgspec.msgpack.decode(data, type=dict[Any, msgspec.Raw])
         task_id = msgspec.msgpack.decode(raw["task_id"], type=int)
     except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError, RecursionError):
         return None
