@@ -12,7 +12,8 @@
    ``batch_set_v1`` / ``batch_get_v1`` from and into a host pool in its layout, vLLM's tier jobs
    (submitted, polled as its scheduler polls) — and straight through the same backend
    (``put_from`` / ``get_into`` of the same bytes, keys built beforehand). Reported: ms per batch
-   of each, interleaved, and surface ÷ alone: what the surface costs over the store.
+   of each, interleaved (a load sample repeats it for 50 ms), and surface ÷ alone: what the
+   surface costs over the store.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 from kvtier_bench.common import emit, interleaved_timings, progress
 
 ADAPTERS = ("fs", "kvtier")
+LOAD_SAMPLE_S = 0.05
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -286,8 +288,12 @@ def surface_rows(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         folder = Path(tempfile.mkdtemp(prefix="surface-", dir=root))
         calls = make(folder, n, size)
         try:
-            fns = {k: v for k, v in calls.items() if k != "close"}
-            timings = interleaved_timings(fns, args.surface_rounds)
+            stores = {k: calls[k] for k in ("store", "store alone")}
+            loads = {k: calls[k] for k in ("load", "load alone")}
+            timings = interleaved_timings(stores, args.surface_rounds)
+            # A load takes milliseconds: each sample is several (LOAD_SAMPLE_S), so that one
+            # call's scheduling does not decide a round.
+            timings |= interleaved_timings(loads, args.surface_rounds, min_sample_s=LOAD_SAMPLE_S)
         finally:
             calls["close"]()
             shutil.rmtree(folder, ignore_errors=True)
