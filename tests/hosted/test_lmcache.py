@@ -276,3 +276,27 @@ def test_lmcache_bench_l2_drives_it_and_verifies_every_byte(tmp_path):
     assert ops["Store"]["total_success"] == ops["Store"]["total_keys"] == 64
     assert ops["Load"]["total_success"] == ops["Load"]["total_keys"] == 64
     assert ops["Lookup"]["total_success"] == 64
+
+
+def test_a_large_load_read_in_parts_answers_once_with_every_bit(tmp_path):
+    """16 x 256 KiB: read in parts by the adapter's threads (``STRIPE_MIN_BYTES``), one answer."""
+    adapter = make_adapter(tmp_path)
+    size = 256 * 1024
+    try:
+        keys = make_object_keys(16)
+        objects = make_memory_objects(make_aligned_tensor(16 * size), 16, size, 0)
+        randomize(objects, seed=5)
+        assert store(adapter, keys, objects) == 16 * size
+        shelf = adapter._shelf(size)
+        bad = adapter._storage_keys(shelf, keys[11:12])[0]
+        raw = bytearray(shelf.backend.read_object(bad))
+        raw[-7] ^= 0x02
+        shelf.backend.write_object(bad, bytes(raw))
+        out = make_memory_objects(make_aligned_tensor(16 * size), 16, size, 0, 77)
+        assert load(adapter, keys, out) == [i for i in range(16) if i != 11]
+        for i in range(16):
+            if i != 11:
+                assert bytes(out[i].byte_array) == bytes(objects[i].byte_array)
+        assert adapter.query_load_result(0) is None  # each task answered once, and popped
+    finally:
+        adapter.close()

@@ -23,26 +23,30 @@ lookup and its load is a miss in that load (the interface allows it). Bytes are 
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
-import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvtier.errors import ConfigError, KvtierError
-from kvtier.hosted.settings import HostedSettings
-from kvtier.hosted.shelf import Shelf, as_block, bytes_spec, fold_hash
+from kvtier.errors import KvtierError
+from kvtier.hosted.shelf import Shelf, bytes_spec, fold_hash
+from kvtier.lmcache.parts import (
+    KvtierL2AdapterConfig,
+    L1View,
+    by_size,
+    key_context,
+    object_block,
+)
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -52,52 +56,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAYOUT = "lmcache-l2"  # in the fingerprint: LMCache's objects are opaque bytes to kvtier
-DEFAULT_NAMESPACE = "lmcache"
-MAX_WORKERS = 64
 # LMCache keys whose kvtier hash is kept (a dict lookup instead of a SHA-256 per key and task):
 # ~200 bytes each, emptied when full.
 MAX_FOLDED = 1 << 16
 
 
-class KvtierL2AdapterConfig(L2AdapterConfigBase):
-    """``adapter_params`` (module docstring), checked with the field named."""
-
-    def __init__(self, settings: HostedSettings, workers: int, object_bytes: tuple[int, ...]):
-        self.settings = settings
-        self.workers = workers
-        self.object_bytes = object_bytes
-
-    @classmethod
-    def from_dict(cls, d: dict) -> KvtierL2AdapterConfig:
-        settings = HostedSettings.parse(d, "adapter_params", ignore=("workers", "object_bytes"))
-        if not settings.namespace:
-            settings = HostedSettings(
-                settings.storage, DEFAULT_NAMESPACE, settings.weight_version, settings.model_dir
-            )
-        workers = d.get("workers", 4)
-        if isinstance(workers, bool) or not isinstance(workers, int):
-            raise ConfigError("adapter_params.workers", f"must be an integer, got {workers!r}")
-        if not 1 <= workers <= MAX_WORKERS:
-            raise ConfigError("adapter_params.workers", f"must be 1..{MAX_WORKERS}")
-        sizes = d.get("object_bytes", [])
-        sizes = [sizes] if isinstance(sizes, int) else sizes
-        if not isinstance(sizes, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
-        ):
-            raise ConfigError("adapter_params.object_bytes", "must be sizes in bytes (> 0)")
-        return cls(settings, workers, tuple(sizes))
-
-    @classmethod
-    def help(cls) -> str:
-        return __doc__ or ""
+# A load of at least twice this many bytes is read in parts, one per adapter thread (each part
+# below the file store's 4 MiB parallel-read threshold reads inline on its thread).
+STRIPE_MIN_BYTES = 2 << 20
 
 
-def _context(key: ObjectKey) -> bytes:
-    """What besides the chunk hash makes an LMCache key unique: its rank (LMCache packs the
-    whole geometry into ``kv_rank``), object group, cache salt and model."""
-    salt = key.cache_salt.encode()
-    model = key.model_name.encode()
-    return struct.pack("<QII", key.kv_rank, key.object_group_id, len(salt)) + salt + model
+@dataclass
+class _Part:
+    """A load read in parts: the indices found so far and the parts still reading."""
+
+    task_id: L2TaskId
+    left: int
+    found: list[int] = field(default_factory=list)
+
+
+def _bytes(objects: Sequence[MemoryObj]) -> int:
+    return sum(obj.get_size() for obj in objects)
 
 
 class KvtierL2Adapter(L2AdapterInterface):
@@ -129,7 +108,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
-        self._l1 = _L1View(l1_memory_desc) if l1_memory_desc is not None else None
+        self._l1 = L1View(l1_memory_desc) if l1_memory_desc is not None else None
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvtier-l2")
         self._closed = False
         for size in config.object_bytes:
@@ -174,7 +153,19 @@ class KvtierL2Adapter(L2AdapterInterface):
                     self._locked[key] -= 1
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._submit(self._load, keys, objects)
+        stripes = min(self._config.workers, len(objects), _bytes(objects) // STRIPE_MIN_BYTES)
+        if stripes < 2:
+            return self._submit(self._load, keys, objects)
+        # A large load is read in parts by the adapter's threads themselves: a part is small
+        # enough that the store reads it inline, so a load crosses threads once each way (as a
+        # caller of the store does), not twice.
+        task_id = self._submit(None, keys, objects)
+        part = _Part(task_id, stripes)
+        step = -(-len(keys) // stripes)
+        for start in range(0, len(keys), step):
+            where = range(start, min(start + step, len(keys)))
+            self._pool.submit(self._load_part, part, keys, objects, where)
+        return task_id
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -215,7 +206,7 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def _submit(
         self,
-        run: Callable[[L2TaskId, list[ObjectKey], list[MemoryObj] | None], None],
+        run: Callable[[L2TaskId, list[ObjectKey], list[MemoryObj] | None], None] | None,
         keys: list[ObjectKey],
         objects: list[MemoryObj] | None,
     ) -> L2TaskId:
@@ -224,7 +215,8 @@ class KvtierL2Adapter(L2AdapterInterface):
         if objects is not None and len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         task_id = next(self._ids)
-        self._pool.submit(run, task_id, keys, objects)
+        if run is not None:
+            self._pool.submit(run, task_id, keys, objects)
         return task_id
 
     def _shelf(self, size: int) -> Shelf:
@@ -244,14 +236,14 @@ class KvtierL2Adapter(L2AdapterInterface):
         for key in keys:
             h = folded.get(key)
             if h is None:
-                h = folded[key] = fold_hash(key.chunk_hash, _context(key))
+                h = folded[key] = fold_hash(key.chunk_hash, key_context(key))
             hashes.append(h)
         return shelf.keys(hashes)
 
     def _store(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
         ok, written = True, 0
         try:
-            for size, where in _by_size(objects).items():
+            for size, where in by_size(objects).items():
                 shelf = self._shelf(size)
                 subset = [keys[i] for i in where]
                 storage_keys = self._storage_keys(shelf, subset)
@@ -287,22 +279,37 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._finish(self._lookups_done, task_id, bitmap, self._lookup_efd)
 
     def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
-        bitmap = Bitmap(len(keys))
-        loaded: list[ObjectKey] = []
+        self._finish_load(task_id, keys, self._read(task_id, keys, objects, range(len(keys))))
+
+    def _load_part(self, part: _Part, keys: list[ObjectKey], objects: Any, where: range) -> None:
+        found = self._read(part.task_id, keys, objects, where)
+        with self._lock:
+            part.found += found
+            part.left -= 1
+            if part.left:
+                return
+        self._finish_load(part.task_id, keys, part.found)
+
+    def _read(self, task_id: L2TaskId, keys: list, objects: Any, where: range) -> list[int]:
+        """Read ``objects[where]``; the indices that now hold their key's bytes."""
+        found: list[int] = []
         try:
-            for size, where in _by_size(objects).items():
+            for size, group in by_size([objects[i] for i in where]).items():
+                index = [where[j] for j in group]
                 shelf = self._shelf(size)
-                subset = [keys[i] for i in where]
-                blocks = [self._block(objects[i]) for i in where]
-                good = shelf.get(self._storage_keys(shelf, subset), blocks)
-                for i, hit in zip(where, good, strict=True):
-                    if hit:
-                        bitmap.set(i)
-                        loaded.append(keys[i])
+                blocks = [self._block(objects[i]) for i in index]
+                good = shelf.get(self._storage_keys(shelf, [keys[i] for i in index]), blocks)
+                found += [i for i, hit in zip(index, good, strict=True) if hit]
         except Exception as e:  # answered as misses
             log.warning("kvtier L2 load task %d failed: %s", task_id, e)
-        if loaded:
-            self._notify_keys_accessed(loaded)
+        return found
+
+    def _finish_load(self, task_id: L2TaskId, keys: list[ObjectKey], found: list[int]) -> None:
+        bitmap = Bitmap(len(keys))
+        for i in found:
+            bitmap.set(i)
+        if found:
+            self._notify_keys_accessed([keys[i] for i in sorted(found)])
         self._finish(self._loads_done, task_id, bitmap, self._load_efd)
 
     def _block(self, obj: MemoryObj) -> torch.Tensor:
@@ -312,7 +319,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             block = self._l1.block(obj.data_ptr, obj.get_size())
             if block is not None:
                 return block
-        return _block(obj)
+        return object_block(obj)
 
     def _finish(self, done: dict, task_id: L2TaskId, result: Any, efd: Any) -> None:
         self._report_evicted()
@@ -341,39 +348,3 @@ class KvtierL2Adapter(L2AdapterInterface):
             gone = [self._stored.pop(k) for k in evicted if k in self._stored]
         if gone:
             self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])
-
-
-class _L1View:
-    """LMCache's L1 arena (``L1MemoryDesc``) as one flat uint8 tensor: an object in it is a
-    slice, where building a tensor for each object costs a few microseconds each time."""
-
-    def __init__(self, desc: L1MemoryDesc) -> None:
-        self.base, self.size = desc.ptr, desc.size
-        arena = (ctypes.c_ubyte * desc.size).from_address(desc.ptr)
-        self.flat = torch.frombuffer(arena, dtype=torch.uint8)
-
-    def block(self, address: int, nbytes: int) -> torch.Tensor | None:
-        at = address - self.base
-        if at < 0 or at + nbytes > self.size:
-            return None
-        return self.flat[at : at + nbytes]
-
-
-def _block(obj: MemoryObj) -> torch.Tensor:
-    """The object's bytes as a flat uint8 tensor, without a copy: its tensor where it has a
-    plain CPU one (LMCache's ``byte_array`` builds a ctypes array on every call)."""
-    raw = obj.raw_tensor
-    size = obj.get_size()
-    if isinstance(raw, torch.Tensor) and raw.is_contiguous() and raw.device.type == "cpu":
-        flat = raw.view(torch.uint8).reshape(-1)
-        if flat.numel() >= size:
-            return flat[:size]
-    return as_block(obj.byte_array)
-
-
-def _by_size(objects: Sequence[MemoryObj]) -> dict[int, list[int]]:
-    """Indices of ``objects`` by their size in bytes (almost always one size)."""
-    groups: dict[int, list[int]] = {}
-    for i, obj in enumerate(objects):
-        groups.setdefault(obj.get_size(), []).append(i)
-    return groups
