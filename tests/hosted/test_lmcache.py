@@ -278,8 +278,8 @@ def test_lmcache_bench_l2_drives_it_and_verifies_every_byte(tmp_path):
     assert ops["Lookup"]["total_success"] == 64
 
 
-def test_a_large_load_read_in_parts_answers_once_with_every_bit(tmp_path):
-    """16 x 256 KiB: read in parts by the adapter's threads (``STRIPE_MIN_BYTES``), one answer."""
+def test_a_large_load_with_a_bad_object_inside_answers_once_with_every_other_bit(tmp_path):
+    """16 x 256 KiB (the store reads it over its own threads), the 12th object corrupt."""
     adapter = make_adapter(tmp_path)
     size = 256 * 1024
     try:

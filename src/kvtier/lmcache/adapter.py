@@ -29,7 +29,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,24 +58,6 @@ LAYOUT = "lmcache-l2"  # in the fingerprint: LMCache's objects are opaque bytes 
 # LMCache keys whose kvtier hash is kept (a dict lookup instead of a SHA-256 per key and task):
 # ~200 bytes each, emptied when full.
 MAX_FOLDED = 1 << 16
-
-
-# A load of at least twice this many bytes is read in parts, one per adapter thread (each part
-# below the file store's 4 MiB parallel-read threshold reads inline on its thread).
-STRIPE_MIN_BYTES = 2 << 20
-
-
-@dataclass
-class _Part:
-    """A load read in parts: the indices found so far and the parts still reading."""
-
-    task_id: L2TaskId
-    left: int
-    found: list[int] = field(default_factory=list)
-
-
-def _bytes(objects: Sequence[MemoryObj]) -> int:
-    return sum(obj.get_size() for obj in objects)
 
 
 class KvtierL2Adapter(L2AdapterInterface):
@@ -153,19 +134,7 @@ class KvtierL2Adapter(L2AdapterInterface):
                     self._locked[key] -= 1
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        stripes = min(self._config.workers, len(objects), _bytes(objects) // STRIPE_MIN_BYTES)
-        if stripes < 2:
-            return self._submit(self._load, keys, objects)
-        # A large load is read in parts by the adapter's threads themselves: a part is small
-        # enough that the store reads it inline, so a load crosses threads once each way (as a
-        # caller of the store does), not twice.
-        task_id = self._submit(None, keys, objects)
-        part = _Part(task_id, stripes)
-        step = -(-len(keys) // stripes)
-        for start in range(0, len(keys), step):
-            where = range(start, min(start + step, len(keys)))
-            self._pool.submit(self._load_part, part, keys, objects, where)
-        return task_id
+        return self._submit(self._load, keys, objects)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -206,7 +175,7 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def _submit(
         self,
-        run: Callable[[L2TaskId, list[ObjectKey], list[MemoryObj] | None], None] | None,
+        run: Callable[[L2TaskId, list[ObjectKey], list[MemoryObj] | None], None],
         keys: list[ObjectKey],
         objects: list[MemoryObj] | None,
     ) -> L2TaskId:
@@ -215,8 +184,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         if objects is not None and len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         task_id = next(self._ids)
-        if run is not None:
-            self._pool.submit(run, task_id, keys, objects)
+        self._pool.submit(run, task_id, keys, objects)
         return task_id
 
     def _shelf(self, size: int) -> Shelf:
@@ -280,15 +248,6 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
         self._finish_load(task_id, keys, self._read(task_id, keys, objects, range(len(keys))))
-
-    def _load_part(self, part: _Part, keys: list[ObjectKey], objects: Any, where: range) -> None:
-        found = self._read(part.task_id, keys, objects, where)
-        with self._lock:
-            part.found += found
-            part.left -= 1
-            if part.left:
-                return
-        self._finish_load(part.task_id, keys, part.found)
 
     def _read(self, task_id: L2TaskId, keys: list, objects: Any, where: range) -> list[int]:
         """Read ``objects[where]``; the indices that now hold their key's bytes."""
