@@ -112,6 +112,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._page_bytes = sum(sizes)
         self._shelf = Shelf(self._settings, bytes_spec(self._page_bytes, self._layout(sizes)))
         self._shelf.open()
+        # What kvtier's tiers evict leaves the set ``clear`` removes (it would only grow).
+        self._shelf.backend.watch_removals(self._forget)
         log.info(
             "kvtier HiCache backend: %d-byte pages (%d buffers each), rank %d, %s",
             self._page_bytes,
@@ -119,6 +121,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self._rank(),
             self._settings.storage,
         )
+
+    def _forget(self, storage_keys: list[str]) -> None:
+        with self._lock:
+            self._stored.difference_update(storage_keys)
 
     def _layout(self, sizes: list[int]) -> str:
         pool, c = self.mem_pool_host, self.config
