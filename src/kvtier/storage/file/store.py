@@ -47,8 +47,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
 from kvtier.storage.base import Read, ReadResult, StorageUsage
@@ -118,8 +116,13 @@ class FileStore(ScatteredObjectStore):
     def _read(self, request: Read, result: ReadResult) -> None:
         keys, host_blocks = request.keys, request.host_blocks
         checksums_out, headers_out = result.checksums, result.headers
-        fn = functools.partial(self._get_one, checksums_out=checksums_out, headers_out=headers_out)
-        result.found[:] = self._striped(fn, keys, host_blocks)
+        fn = functools.partial(
+            self._get_one, checksums_out=checksums_out, headers_out=headers_out, block=True
+        )
+        # Each block's buffer is taken here, not on the I/O threads: ``Tensor.numpy`` there
+        # waited on the GIL beside the other threads' reads (32 x 256 KiB: 3.0 ms -> 2.3).
+        views = [[memoryview(block.numpy())] for block in host_blocks]
+        result.found[:] = self._striped(fn, keys, views)
 
     def get_into_scattered(self, keys, targets, go_on=None) -> list[bool]:
         self._check_scattered(keys, targets)
@@ -143,7 +146,8 @@ class FileStore(ScatteredObjectStore):
         # rate of a raw write with as many threads), at the priority of the thread that made
         # the first large put: a worker's background save thread's.
         pool = self._writers.get() if len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES else None
-        results = self._count_puts(striped(pool, self.config.io_threads, fn, keys, host_blocks))
+        views = [[memoryview(block.numpy())] for block in host_blocks]  # here: as ``_read``
+        results = self._count_puts(striped(pool, self.config.io_threads, fn, keys, views))
         self._evict_if_needed()
         return results
 
@@ -195,22 +199,28 @@ class FileStore(ScatteredObjectStore):
         return True
 
     def _get_one(
-        self, index: int, key: str, target, checksums_out=None, go_on=None, headers_out=None
+        self,
+        index: int,
+        key: str,
+        views: list,
+        checksums_out=None,
+        go_on=None,
+        headers_out=None,
+        block: bool = False,
     ) -> bool:
-        """Read one object into a host block (a tensor) or a list of buffers (scattered),
-        hashed as it is read unless the caller verifies it while it copies (checksums_out,
-        headers_out: a ``ReadResult``'s, ``kvtier.storage.base.Verify``); ``go_on``: as for
-        ``get_into_scattered``,
-        called before the read."""
+        """Read one object into its buffers: a host block's one (``block``) or a device
+        block's pieces (scattered), hashed as it is read unless the caller verifies it while
+        it copies (checksums_out, headers_out: a ``ReadResult``'s,
+        ``kvtier.storage.base.Verify``); ``go_on``: as for ``get_into_scattered``, called
+        before the read."""
         if go_on is not None:
             go_on(f"before reading object {index} into its targets")
         fan, name = object_name(key)
         header = bytearray(HEADER_BYTES)
         encoded = key.encode()
         trailer = bytearray(len(encoded))
-        tensor = isinstance(target, torch.Tensor)
-        views = [memoryview(target.numpy())] if tensor else list(target)
-        verify_now = not tensor or checksums_out is None
+        views = list(views)
+        verify_now = not block or checksums_out is None
         found = self._files.read(fan, name, header, views, trailer, verify_now)
         if found is None:
             return False
@@ -221,7 +231,7 @@ class FileStore(ScatteredObjectStore):
                 raise ObjectCorrupt(f"short read: {found.nread} of {found.size} bytes")
             if parsed.key_bytes and trailer != encoded:
                 raise ObjectCorrupt("key trailer names another key")
-            if tensor:
+            if block:
                 self.format.check_or_defer(
                     header,
                     views[0],
@@ -237,7 +247,7 @@ class FileStore(ScatteredObjectStore):
         except ObjectCorrupt as e:
             self._corrupt(key, e)
             self._remove(fan, name)
-            if not tensor:
+            if not block:
                 zero(views)
             return False
         age_s = time.time() - found.mtime_ns / 1e9
@@ -246,13 +256,13 @@ class FileStore(ScatteredObjectStore):
         self._index.touch(name)
         return True
 
-    def _put_one(self, index: int, key: str, source, checksums=None) -> bool:
-        """Store one object from a host block (a tensor) or a list of buffers (scattered)."""
+    def _put_one(self, index: int, key: str, views, checksums=None) -> bool:
+        """Store one object from its buffers (a host block's one, or a device block's
+        pieces)."""
         if self._header_ok(key):
             return True  # immutable: the stored object stays (a corrupt one is replaced)
         fan, name = object_name(key)
-        tensor = isinstance(source, torch.Tensor)
-        views = [memoryview(source.numpy())] if tensor else list(source)
+        views = list(views)
         known = checksums[index] if checksums is not None else None
         header = self.format.header(key, views, known, trailer=True)
         buffers = [header, *views, key.encode()]
