@@ -28,7 +28,6 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +41,7 @@ from kvtier.hosted.shelf import Shelf, bytes_spec, fold_hash
 from kvtier.lmcache.parts import (
     KvtierL2AdapterConfig,
     L1View,
+    TaskThreads,
     by_size,
     key_context,
     object_block,
@@ -90,7 +90,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
         self._l1 = L1View(l1_memory_desc) if l1_memory_desc is not None else None
-        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvtier-l2")
+        self._pool = TaskThreads(config.workers, "kvtier-l2")
         self._closed = False
         for size in config.object_bytes:
             self._shelf(size)
@@ -163,7 +163,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown()
         with self._shelves_lock:
             shelves, self._shelves = list(self._shelves.values()), {}
         for shelf in shelves:
@@ -247,17 +247,21 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._finish(self._lookups_done, task_id, bitmap, self._lookup_efd)
 
     def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: Any) -> None:
-        self._finish_load(task_id, keys, self._read(task_id, keys, objects, range(len(keys))))
+        self._finish_load(task_id, keys, self._read(task_id, keys, objects))
 
-    def _read(self, task_id: L2TaskId, keys: list, objects: Any, where: range) -> list[int]:
-        """Read ``objects[where]``; the indices that now hold their key's bytes."""
+    def _read(self, task_id: L2TaskId, keys: list, objects: Any) -> list[int]:
+        """Read each object; the indices that now hold their key's bytes."""
         found: list[int] = []
         try:
-            for size, group in by_size([objects[i] for i in where]).items():
-                index = [where[j] for j in group]
+            groups = by_size(objects)
+            for size, index in groups.items():
                 shelf = self._shelf(size)
-                blocks = [self._block(objects[i]) for i in index]
-                good = shelf.get(self._storage_keys(shelf, [keys[i] for i in index]), blocks)
+                if len(groups) == 1:  # almost always: one size, every object in order
+                    subset, blocks = keys, [self._block(obj) for obj in objects]
+                else:
+                    subset = [keys[i] for i in index]
+                    blocks = [self._block(objects[i]) for i in index]
+                good = shelf.get(self._storage_keys(shelf, subset), blocks)
                 found += [i for i, hit in zip(index, good, strict=True) if hit]
         except Exception as e:  # answered as misses
             log.warning("kvtier L2 load task %d failed: %s", task_id, e)
@@ -265,11 +269,15 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def _finish_load(self, task_id: L2TaskId, keys: list[ObjectKey], found: list[int]) -> None:
         bitmap = Bitmap(len(keys))
-        for i in found:
-            bitmap.set(i)
-        if found:
-            self._notify_keys_accessed([keys[i] for i in sorted(found)])
+        found.sort()
+        if found and found[-1] == len(found) - 1:  # a leading run (almost always): one call
+            bitmap.set_range(0, len(found))
+        else:
+            for i in found:
+                bitmap.set(i)
         self._finish(self._loads_done, task_id, bitmap, self._load_efd)
+        if found:  # LRU bookkeeping of LMCache's listeners: after the answer, off its path
+            self._notify_keys_accessed([keys[i] for i in found])
 
     def _block(self, obj: MemoryObj) -> torch.Tensor:
         """The object's bytes without a copy: a slice of LMCache's L1 arena where it lies in
@@ -284,6 +292,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._report_evicted()
         with self._lock:
             done[task_id] = result
+        self._pool.answering()  # this thread takes the caller's next task
         efd.notify()
 
     # ---- byte accounting ---------------------------------------------------------------------

@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
-from collections.abc import Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,8 +24,12 @@ if TYPE_CHECKING:
     from lmcache.v1.distributed.internal_api import L1MemoryDesc
     from lmcache.v1.memory_management import MemoryObj
 
+log = logging.getLogger("kvtier.lmcache")
+
 DEFAULT_NAMESPACE = "lmcache"
 MAX_WORKERS = 64
+# Slices of the L1 arena kept (``L1View``): ~150 bytes each.
+MAX_SLICES = 1 << 16
 
 
 class KvtierL2AdapterConfig(L2AdapterConfigBase):
@@ -71,18 +78,26 @@ def key_context(key: ObjectKey) -> bytes:
 
 class L1View:
     """LMCache's L1 arena (``L1MemoryDesc``) as one flat uint8 tensor: an object in it is a
-    slice, where building a tensor for each object costs a few microseconds each time."""
+    slice. LMCache's objects sit at fixed places in the arena, so each place's slice is kept:
+    slicing costs ~2 us a block, a task of 32 objects 60 us of a 3 ms load."""
 
     def __init__(self, desc: L1MemoryDesc) -> None:
         self.base, self.size = desc.ptr, desc.size
         arena = (ctypes.c_ubyte * desc.size).from_address(desc.ptr)
         self.flat = torch.frombuffer(arena, dtype=torch.uint8)
+        self._slices: dict[tuple[int, int], torch.Tensor] = {}
 
     def block(self, address: int, nbytes: int) -> torch.Tensor | None:
+        block = self._slices.get((address, nbytes))
+        if block is not None:
+            return block
         at = address - self.base
         if at < 0 or at + nbytes > self.size:
             return None
-        return self.flat[at : at + nbytes]
+        if len(self._slices) >= MAX_SLICES:  # places of many sizes: start again
+            self._slices.clear()
+        block = self._slices[(address, nbytes)] = self.flat[at : at + nbytes]
+        return block
 
 
 def object_block(obj: MemoryObj) -> torch.Tensor:
@@ -103,3 +118,95 @@ def by_size(objects: Sequence[MemoryObj]) -> dict[int, list[int]]:
     for i, obj in enumerate(objects):
         groups.setdefault(obj.get_size(), []).append(i)
     return groups
+
+
+class TaskThreads:
+    """Threads running the adapter's tasks, in the order submitted. Each task answers through
+    its own event fd, so there are no futures: a submit hands the task to the thread that went
+    idle last, or queues it while all are busy. A task about to signal its answer puts its
+    thread on the idle stack first (``answering``), so a caller that submits its next task at
+    once gets that thread, its caches warm, not a cold one woken on the other core (loads of
+    LMCache's bench: 1.2-1.3x the store's time spread over cold threads, measured)."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[Callable[..., None], tuple]] = deque()
+        self._idle: list[_Slot] = []  # a stack: the last to go idle is handed the next task
+        self._stopping = False
+        self._local = threading.local()
+        self._threads = [
+            threading.Thread(target=self._run, args=(_Slot(),), name=f"{name}-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, run: Callable[..., None], *args: object) -> None:
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the adapter's task threads are stopped")
+            if not self._idle:
+                self._pending.append((run, args))
+                return
+            slot = self._idle.pop()
+            slot.listed = False
+        slot.task = (run, args)
+        slot.wake.release()
+
+    def answering(self) -> None:
+        """Called by a task just before it signals its answer (its remaining steps are short):
+        its thread is handed the next task submitted, if none is queued."""
+        slot = getattr(self._local, "slot", None)
+        if slot is None:
+            return
+        with self._lock:
+            if not self._pending and not self._stopping and not slot.listed:
+                slot.listed = True
+                self._idle.append(slot)
+
+    def shutdown(self) -> None:
+        """Drop the tasks not begun, wait for those running."""
+        with self._lock:
+            self._stopping = True
+            self._pending.clear()
+            idle, self._idle = self._idle, []
+        for slot in idle:
+            slot.task = None
+            slot.wake.release()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _run(self, slot: _Slot) -> None:
+        self._local.slot = slot
+        while True:
+            task = None
+            with self._lock:
+                if not slot.listed:
+                    task = self._pending.popleft() if self._pending else None
+                    if task is None:
+                        if self._stopping:
+                            return
+                        slot.listed = True
+                        self._idle.append(slot)
+            if task is None:
+                slot.wake.acquire()  # released by submit (a task) or shutdown (None)
+                task, slot.task = slot.task, None
+                if task is None:
+                    return
+            run, args = task
+            try:
+                run(*args)
+            except Exception:  # each task answers its own errors; this is a bug: go on
+                log.exception("kvtier L2 adapter task failed")
+
+
+class _Slot:
+    """One thread's hand-over: ``task`` set, then ``wake`` released (held while it waits);
+    ``listed``: on the idle stack."""
+
+    def __init__(self) -> None:
+        self.task: tuple[Callable[..., None], tuple] | None = None
+        self.listed = False
+        self.wake = threading.Lock()
+        self.wake.acquire()
