@@ -300,3 +300,78 @@ def test_a_large_load_with_a_bad_object_inside_answers_once_with_every_other_bit
         assert adapter.query_load_result(0) is None  # each task answered once, and popped
     finally:
         adapter.close()
+
+
+def test_task_threads_run_every_task_once_hand_over_and_stop_cleanly():
+    """The adapter's task threads: every task runs exactly once, on up to ``count`` threads at
+    once (none waits for a busy one while another is idle); a thread that announced its answer
+    gets the next task; a task that raises is logged and the thread goes on; ``shutdown``
+    drops what has not begun and waits for what runs."""
+    import logging
+    import threading
+
+    from kvtier.lmcache.parts import TaskThreads
+
+    class Logged(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.seen = threading.Event()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "task failed" in record.getMessage() and record.exc_info:
+                self.seen.set()
+
+    logged = Logged()
+    logging.getLogger("kvtier.lmcache").addHandler(logged)
+
+    threads = TaskThreads(3, "t")
+    ran: list[int] = []
+    lock = threading.Lock()
+    gate, started = threading.Event(), threading.Barrier(4)
+
+    def blocked(i: int) -> None:
+        started.wait(TASK_TIMEOUT_S)  # three at once, else the barrier breaks
+        gate.wait(TASK_TIMEOUT_S)
+        with lock:
+            ran.append(i)
+
+    for i in range(3):
+        threads.submit(blocked, i)
+    started.wait(TASK_TIMEOUT_S)
+    for i in range(3, 6):  # queued while all three are busy
+        threads.submit(lambda i=i: ran.append(i))
+    gate.set()
+
+    def boom() -> None:
+        raise ValueError("a bug in a task")
+
+    threads.submit(boom)
+    names: list[str] = []
+    done = threading.Event()
+
+    def answer_then_more() -> None:
+        names.append(threading.current_thread().name)
+        threads.answering()
+        threads.submit(lambda: (names.append(threading.current_thread().name), done.set()))
+
+    threads.submit(answer_then_more)
+    assert done.wait(TASK_TIMEOUT_S)
+    assert names[0] == names[1]  # the thread that answered took the next task
+    assert logged.seen.wait(TASK_TIMEOUT_S)  # logged, and the threads went on
+    logging.getLogger("kvtier.lmcache").removeHandler(logged)
+
+    stuck = threading.Event()
+    threads.submit(lambda: stuck.wait(TASK_TIMEOUT_S))
+    threads.submit(lambda: stuck.wait(TASK_TIMEOUT_S))
+    threads.submit(lambda: stuck.wait(TASK_TIMEOUT_S))
+    threads.submit(lambda: ran.append(99))  # not begun at shutdown: dropped
+    stopper = threading.Thread(target=threads.shutdown)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # waits for the running tasks
+    stuck.set()
+    stopper.join(TASK_TIMEOUT_S)
+    assert not stopper.is_alive()
+    assert sorted(ran) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="stopped"):
+        threads.submit(lambda: None)

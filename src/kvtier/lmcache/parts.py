@@ -149,8 +149,7 @@ class TaskThreads:
                 self._pending.append((run, args))
                 return
             slot = self._idle.pop()
-            slot.listed = False
-        slot.task = (run, args)
+            slot.listed, slot.task = False, (run, args)
         slot.wake.release()
 
     def answering(self) -> None:
@@ -160,7 +159,7 @@ class TaskThreads:
         if slot is None:
             return
         with self._lock:
-            if not self._pending and not self._stopping and not slot.listed:
+            if not (self._pending or self._stopping or slot.listed or slot.task):
                 slot.listed = True
                 self._idle.append(slot)
 
@@ -170,9 +169,10 @@ class TaskThreads:
             self._stopping = True
             self._pending.clear()
             idle, self._idle = self._idle, []
+            for slot in idle:
+                slot.listed = False
         for slot in idle:
-            slot.task = None
-            slot.wake.release()
+            slot.wake.release()  # with no task: the thread ends
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join()
@@ -182,18 +182,22 @@ class TaskThreads:
         while True:
             task = None
             with self._lock:
-                if not slot.listed:
+                # Listed by ``answering``, or handed a task since: its wake is (to be) released.
+                waiting = slot.listed or slot.task is not None
+                if not waiting:
                     task = self._pending.popleft() if self._pending else None
                     if task is None:
                         if self._stopping:
                             return
-                        slot.listed = True
+                        slot.listed = waiting = True
                         self._idle.append(slot)
-            if task is None:
-                slot.wake.acquire()  # released by submit (a task) or shutdown (None)
-                task, slot.task = slot.task, None
+            if waiting:
+                slot.wake.acquire()  # released by submit (a task) or shutdown (none)
+                with self._lock:
+                    task, slot.task = slot.task, None
                 if task is None:
                     return
+            assert task is not None
             run, args = task
             try:
                 run(*args)
