@@ -174,12 +174,14 @@ class Shelf:
     def version(self) -> str:
         return self._version.current()
 
-    def keys(self, block_hashes: Sequence[bytes], rank: int | None = None) -> list[str]:
+    def keys(
+        self, block_hashes: Sequence[bytes], rank: int | None = None, version: str | None = None
+    ) -> list[str]:
         """Storage keys of ``block_hashes`` (kvtier hashes: ``fold_hash``) for ``rank`` (default:
-        this shelf's) under the current weight version: build them once per task, so a version
-        change mid-task cannot split it."""
+        this shelf's) under ``version`` (default: the current weight version): build them once
+        per task, so a version change mid-task cannot split it."""
         rank = self.rank if rank is None else rank
-        version = self.version
+        version = self.version if version is None else version
         scheme = self._schemes.get((version, rank))
         if scheme is None:
             if len(self._schemes) >= MAX_SCHEMES or version != self._schemes_version:
