@@ -323,8 +323,15 @@ def test_task_threads_run_every_task_once_hand_over_and_stop_cleanly():
 
     logged = Logged()
     logging.getLogger("kvtier.lmcache").addHandler(logged)
+    try:
+        _drive_task_threads(TaskThreads(3, "t"), logged)
+    finally:
+        logging.getLogger("kvtier.lmcache").removeHandler(logged)
 
-    threads = TaskThreads(3, "t")
+
+def _drive_task_threads(threads, logged) -> None:
+    import threading
+
     ran: list[int] = []
     lock = threading.Lock()
     gate, started = threading.Event(), threading.Barrier(4)
@@ -358,7 +365,6 @@ def test_task_threads_run_every_task_once_hand_over_and_stop_cleanly():
     assert done.wait(TASK_TIMEOUT_S)
     assert names[0] == names[1]  # the thread that answered took the next task
     assert logged.seen.wait(TASK_TIMEOUT_S)  # logged, and the threads went on
-    logging.getLogger("kvtier.lmcache").removeHandler(logged)
 
     stuck = threading.Event()
     threads.submit(lambda: stuck.wait(TASK_TIMEOUT_S))

@@ -125,8 +125,10 @@ class TaskThreads:
     its own event fd, so there are no futures: a submit hands the task to the thread that went
     idle last, or queues it while all are busy. A task about to signal its answer puts its
     thread on the idle stack first (``answering``), so a caller that submits its next task at
-    once gets that thread, its caches warm, not a cold one woken on the other core (loads of
-    LMCache's bench: 1.2-1.3x the store's time spread over cold threads, measured)."""
+    once gets that thread, its caches warm, not a cold one woken on the other core. (Measured
+    on 2 cores: a submit 17-26 us against 37-43 with a ``ThreadPoolExecutor``; back-to-back
+    loads with one thread 0.98-1.13x the store alone against 1.03-1.09x with four: within the
+    noise.)"""
 
     def __init__(self, count: int, name: str) -> None:
         self._lock = threading.Lock()
