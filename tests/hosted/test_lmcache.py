@@ -39,21 +39,22 @@ OBJECT_BYTES = 64 * 1024
 TASK_TIMEOUT_S = 30.0
 
 
-def adapter_json(root: Path, **params: object) -> str:
+def adapter_json(root: Path, backend: str = "file", **params: object) -> str:
+    storage = {"backend": "file", "root": str(root)} if backend == "file" else {"backend": backend}
     return json.dumps(
         {
             "type": "plugin",
             "module_path": "kvtier.lmcache",
             "class_name": "KvtierL2Adapter",
-            "adapter_params": {"storage": {"backend": "file", "root": str(root)}, **params},
+            "adapter_params": {"storage": storage, **params},
         }
     )
 
 
-def make_adapter(root: Path, **params: object) -> KvtierL2Adapter:
+def make_adapter(root: Path, backend: str = "file", **params: object) -> KvtierL2Adapter:
     """The adapter as LMCache creates it: from its JSON, through its plugin factory."""
     config = parse_args_to_l2_adapters_config(
-        argparse.Namespace(l2_adapter=[adapter_json(root, **params)])
+        argparse.Namespace(l2_adapter=[adapter_json(root, backend, **params)])
     )
     adapter = create_l2_adapter(config.adapters[0])
     assert isinstance(adapter, KvtierL2Adapter)
@@ -110,9 +111,13 @@ def randomize(objects, seed: int) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
 
-def test_lmcache_creates_it_and_pages_round_trip_byte_exact(tmp_path):
-    adapter = make_adapter(tmp_path)
+# The file store reads on its own threads (a load is handed to them at once); the memory
+# store does not (a load runs on the adapter's threads).
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_lmcache_creates_it_and_pages_round_trip_byte_exact(tmp_path, backend):
+    adapter = make_adapter(tmp_path, backend)
     try:
+        assert adapter._shelf(OBJECT_BYTES).starts_reads == (backend == "file")
         keys = make_object_keys(12)
         objects = buffers(12)
         randomize(objects, seed=1)
@@ -131,6 +136,15 @@ def test_lmcache_creates_it_and_pages_round_trip_byte_exact(tmp_path):
         unknown = make_object_keys(3, key_offset=1000)
         assert lookup(adapter, unknown) == []
         assert load(adapter, unknown, buffers(3)) == []
+        # Objects of two sizes in one load: each size from its own shelf.
+        small = make_memory_objects(make_aligned_tensor(2 * 4096), 2, 4096, 0, 5)
+        assert store(adapter, make_object_keys(2, key_offset=500), small) == 2 * 4096
+        mixed_keys = [keys[0], *make_object_keys(2, key_offset=500), keys[1]]
+        mixed = [buffers(1, 50)[0], *make_memory_objects(make_aligned_tensor(8192), 2, 4096, 0)]
+        mixed.append(buffers(1, 51)[0])
+        assert load(adapter, mixed_keys, mixed) == [0, 1, 2, 3]
+        for got, want in zip(mixed, [objects[0], *small, objects[1]], strict=True):
+            assert bytes(got.byte_array) == bytes(want.byte_array)
         status = adapter.report_status()
         assert status["is_healthy"] and status["objects"][OBJECT_BYTES]["objects"] == 12
     finally:

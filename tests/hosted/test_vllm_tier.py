@@ -66,11 +66,17 @@ def rows_like(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, ROW_BYTES), dtype=torch.uint8, generator=gen)
 
 
-def test_vllm_builds_the_tier_and_promotes_its_chunks_byte_exact(tmp_path, engines):
-    engine = Engine({"storage": {"backend": "file", "root": str(tmp_path)},
-                     "enable_kv_events": True})  # fmt: skip
+# The file store reads on its own threads (a load is handed to them at once); the memory
+# store does not (a load runs on the tier's threads).
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_vllm_builds_the_tier_and_promotes_its_chunks_byte_exact(tmp_path, engines, backend):
+    storage = (
+        {"backend": "file", "root": str(tmp_path)} if backend == "file" else {"backend": backend}
+    )
+    engine = Engine({"storage": storage, "enable_kv_events": True})
     engines.append(engine)
     assert isinstance(engine.tier, KvtierTier)  # built by vLLM's SecondaryTierFactory
+    assert engine.tier._shelf.starts_reads == (backend == "file")
     keys, data = keys_of(1, 2, 3), rows_like(3, seed=1)
     engine.offload(keys, data)
     assert engine.tier.stats()["objects"] == 3

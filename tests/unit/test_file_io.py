@@ -109,3 +109,52 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
         file_io._fileio.read_object(0, "x", None, 5, None, False)
     with pytest.raises(ValueError):
         file_io._fileio.read_object(0, "x", None, [bytearray(1)] * 5000, None, False)
+
+
+def test_striped_async_answers_once_from_the_last_stripe_whatever_fails(caplog) -> None:
+    """A started read's stripes (``striped_async``): every key's result lands in its place and
+    ``done`` is called exactly once, off the caller's thread, after every stripe; a stripe that
+    raises ends only its own keys (False) and hands its error to ``done``; a ``done`` that
+    raises is logged; a pool already shut down refuses the read at once,
+    and ``done`` is never called."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = [f"k{i}" for i in range(10)]
+    with ThreadPoolExecutor(4) as pool:
+        for threads, failing in ((4, None), (1, None), (4, 5), (3, 0)):
+            calls: list[tuple] = []
+            answered = threading.Event()
+
+            def fn(i: int, key: str, block: object, failing=failing) -> bool:
+                if i == failing:
+                    raise OSError(errno.EIO, "the disk went away")
+                return i % 3 != 2 and block == key
+
+            def done(results, error, calls=calls, answered=answered) -> None:
+                calls.append((list(results), error, threading.current_thread()))
+                answered.set()
+
+            file_io.striped_async(pool, threads, fn, keys, list(keys), done)
+            assert answered.wait(30)
+            results, error, thread = calls[0]
+            assert thread is not threading.current_thread()
+            if failing is None:
+                assert error is None and results == [i % 3 != 2 for i in range(10)]
+            else:  # the failing key's stripe stops there; the other stripes finish
+                assert isinstance(error, OSError)
+                stride = min(threads, len(keys))
+                for i in range(10):
+                    lost = i % stride == failing % stride and i >= failing
+                    assert results[i] == (not lost and i % 3 != 2), i
+            assert len(calls) == 1
+
+        def broken(results, error) -> None:
+            raise RuntimeError("the caller's answer failed")
+
+        file_io.striped_async(pool, 4, lambda i, k, b: True, keys, list(keys), broken)
+        pool.shutdown(wait=True)  # every stripe has run
+    assert "a read's completion failed" in caplog.text
+    with pytest.raises(RuntimeError):
+        file_io.striped_async(pool, 4, lambda i, k, b: True, keys, list(keys), calls.append)
+    assert len(calls) == 1

@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from kvtier.layout.keys import (
 )
 from kvtier.layout.spec import CacheDType, KVCacheSpec
 from kvtier.storage import StorageBackend, make_backend
+from kvtier.storage.base import Read
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,28 @@ class Shelf:
         """Fill each block with its key's object; True only where the bytes are exactly the
         stored ones (checksum or MAC, layout fingerprint, key)."""
         return self.backend.get_into(keys, blocks)
+
+    @property
+    def starts_reads(self) -> bool:
+        """Whether the store runs reads on threads of its own (``start_get``)."""
+        return self.backend.starts_reads() is not None
+
+    def start_get(
+        self,
+        keys: Sequence[str],
+        blocks: Sequence[torch.Tensor],
+        done: Callable[[list[bool] | None, BaseException | None], None],
+    ) -> None:
+        """``get`` on the store's own threads (``starts_reads``; ``StartsReads``): returns at
+        once, and ``done(found, None)`` or ``done(None, error)`` is called once when every key
+        is read. Raises, without calling ``done``, when the read cannot start."""
+        starts = self.backend.starts_reads()
+        if starts is None:
+            raise RuntimeError(f"a {self.backend.kind} store reads only in get()")
+        starts.start_read(
+            Read(keys, blocks),
+            lambda result, error: done(None if result is None else result.found, error),
+        )
 
     def put_pieces(self, keys: Sequence[str], pieces: Sequence[Sequence[memoryview]]) -> list[bool]:
         """Store each key's object from its pieces, in order (an engine page that lies in

@@ -4,7 +4,8 @@ What a backend shares with the others (format, counters, the corrupt keys a load
 the removal listener, argument checks) is the helper base ``kvtier.storage.object_store``; a
 store that wraps another (the fault injector, a tier chain) is a ``kvtier.storage.wrappers.
 delegating.Delegating``. Optional capabilities are Protocols a route requires by type
-(``ScatteredIO``, ``Promotes``), offered by ``scattered()`` and ``promoter()``.
+(``ScatteredIO``, ``Promotes``, ``StartsReads``), offered by ``scattered()``, ``promoter()``
+and ``starts_reads()``.
 
 Contract (implementations do not repeat it):
 
@@ -219,6 +220,23 @@ class Promotes(Protocol):
     def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None: ...
 
 
+# Called exactly once when a started read ends: its result, or the exception that stopped it
+# (``StartsReads``).
+ReadDone = Callable[[ReadResult | None, BaseException | None], None]
+
+
+@runtime_checkable
+class StartsReads(Protocol):
+    """A store whose reads run on its own threads and answer by calling back: ``start_read``
+    checks the request, takes the blocks' buffers and returns; ``done(result, None)`` (or
+    ``done(None, error)``) is then called once, on one of the store's threads, when every key is
+    read (``read``'s result and contract). A caller with threads of its own (an engine's
+    lower-tier tasks) hands a load to the store at once instead of to one of them, and waits
+    for one hand-off fewer. Raises, without calling ``done``, when the read cannot start."""
+
+    def start_read(self, request: Read, done: ReadDone) -> None: ...
+
+
 # ---- the interface -----------------------------------------------------------------------------
 
 
@@ -260,6 +278,11 @@ class StorageBackend(ABC):
     def promoter(self) -> Promotes | None:
         """Who takes verified bytes after a ``Verify.ALL_BY_CALLER`` read (a tier chain);
         None: nothing to do with them."""
+        return None
+
+    def starts_reads(self) -> StartsReads | None:
+        """Reads that answer by calling back, where this store runs them on threads of its
+        own (the file store); None: ``read`` only."""
         return None
 
     @property

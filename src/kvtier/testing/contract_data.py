@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvtier.errors import StorageError
+from kvtier.storage.base import Read
 from kvtier.testing.contract_base import (
     CONTRACT_SPEC,
     ContractBase,
@@ -146,6 +147,48 @@ class DataContract(ContractBase):
             store.put_from(keys, [pool.block(0)])
         with pytest.raises(StorageError, match="need"):
             store.get_into(keys[:1], [pool.block(0)[:100]])
+
+    def test_started_reads_answer_once_as_read_does(self, store, pool) -> None:
+        """Where a store starts reads on its own threads (``starts_reads``): ``done`` is called
+        exactly once, off the caller's thread, with what ``read`` would find (a missing and a
+        corrupt object are misses, the rest byte-exact), counted like a read; a closed store
+        refuses to start one and never calls ``done``."""
+        starts = store.starts_reads()
+        if starts is None:
+            pytest.skip(f"{store.kind} reads only in read()")
+        keys = make_keys(6)
+        self.put(store, pool, [k for i, k in enumerate(keys) if i != 3])
+        data = bytearray(store.read_object(keys[4]))
+        data[-1] ^= 0x10  # only the payload check can see it
+        store.write_object(keys[4], bytes(data))
+        blocks = [pool.block(8 + i) for i in range(6)]
+        for block in blocks:
+            block.fill_(0xEE)
+        calls: list[tuple] = []
+        answered = threading.Event()
+
+        def done(result, error) -> None:
+            calls.append((result, error, threading.current_thread()))
+            answered.set()
+
+        hits = store.stats.hits
+        starts.start_read(Read(keys, blocks), done)
+        assert answered.wait(60), "a started read was never answered"
+        result, error, thread = calls[0]
+        assert error is None and thread is not threading.current_thread()
+        assert result.found == [True, True, True, False, False, True]
+        for key, block, ok in zip(keys, blocks, result.found):
+            if ok:
+                assert torch.equal(block, expected_block(key, block.numel())), key
+        assert store.stats.hits == hits + 4
+        assert store.exists_prefix(keys[4:5]) == 0  # counted corrupt and removed
+        closed = self.make_store(CONTRACT_SPEC)
+        closed.close()
+        refusing = closed.starts_reads()
+        assert refusing is not None
+        with pytest.raises(Exception):  # noqa: B017 - whatever the store raises once closed
+            refusing.start_read(Read(keys[:1], blocks[:1]), done)
+        assert len(calls) == 1
 
     def test_concurrent_threads(self, store, pool) -> None:
         keys = make_keys(16)

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -128,9 +128,10 @@ class KvtierTier(SecondaryTierManager):
         self._shelf = Shelf(parsed, bytes_spec(row, row_layout(offloading_spec, row))).open()
         self._shelf.backend.watch_removals(self._on_removed)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-tier")
-        self._inflight: set[Future] = set()
+        self._jobs = 0  # submitted and not yet answered
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # _inflight, _keys_stored, _removed
+        self._lock = threading.Lock()  # _jobs, _keys_stored, _removed
+        self._drained = threading.Condition(self._lock)  # _jobs fell to 0
         self._keys_stored: dict[str, OffloadKey] = {}  # storage key -> vLLM's, for events
         self._removed: list[OffloadKey] = []
         self._lookups = _Lookups(self)
@@ -147,7 +148,12 @@ class KvtierTier(SecondaryTierManager):
         self._submit(self._store, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(self._load, job_metadata)
+        if not self._shelf.starts_reads:
+            self._submit(self._load, job_metadata)
+            return
+        self._check(job_metadata)
+        self._begin_job()
+        self._start_load(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done = []
@@ -158,8 +164,7 @@ class KvtierTier(SecondaryTierManager):
                 return done
 
     def has_pending_work(self) -> bool:
-        with self._lock:
-            return bool(self._inflight)
+        return self._jobs > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:
@@ -181,9 +186,8 @@ class KvtierTier(SecondaryTierManager):
         self._lookups.flush()
 
     def drain_jobs(self) -> None:
-        with self._lock:
-            pending = list(self._inflight)
-        wait(pending)
+        with self._drained:
+            self._drained.wait_for(lambda: not self._jobs)
 
     def shutdown(self) -> None:
         self._lookups.shutdown()
@@ -201,16 +205,34 @@ class KvtierTier(SecondaryTierManager):
     # ---- jobs (this tier's threads) ----------------------------------------------------------
 
     def _submit(self, run: Any, job: TransferJob) -> None:
+        self._check(job)
+        self._begin_job()
+        try:
+            self._pool.submit(self._run, run, job)
+        except RuntimeError:  # shut down
+            self._end_job()
+            raise
+
+    def _check(self, job: TransferJob) -> None:
         if len(job.keys) != len(job.chunk_ids):
             raise ValueError(f"{len(job.keys)} keys but {len(job.chunk_ids)} chunk ids")
-        future = self._pool.submit(run, job)
-        with self._lock:
-            self._inflight.add(future)
-        future.add_done_callback(self._done)
 
-    def _done(self, future: Future) -> None:
+    def _run(self, run: Any, job: TransferJob) -> None:
+        try:
+            run(job)
+        finally:
+            self._end_job()
+
+    def _begin_job(self) -> None:
         with self._lock:
-            self._inflight.discard(future)
+            self._jobs += 1
+
+    def _end_job(self) -> None:
+        """A job answered (its result queued): ``drain_jobs`` returns once none is left."""
+        with self._lock:
+            self._jobs -= 1
+            if not self._jobs:
+                self._drained.notify_all()
 
     def _blocks(self, chunk_ids: Any) -> list[torch.Tensor]:
         rows = self._row_views
@@ -245,12 +267,36 @@ class KvtierTier(SecondaryTierManager):
 
     def _load(self, job: TransferJob) -> None:
         start = time.monotonic()
-        keys = list(job.keys)
-        found = [False] * len(keys)
+        found = None
         try:
-            found = self._shelf.get(self._shelf.keys(keys), self._blocks(job.chunk_ids))
+            found = self._shelf.get(self._shelf.keys(list(job.keys)), self._blocks(job.chunk_ids))
         except Exception as e:  # answered as a failed load
             log.warning("kvtier tier load job %d failed: %s", job.job_id, e)
+        self._loaded(job, start, found)
+
+    def _start_load(self, job: TransferJob) -> None:
+        """A load handed straight to a store that reads on its own threads
+        (``Shelf.start_get``), answered by the one that finishes it: one hand-off fewer than
+        through this tier's threads (32 x 256 KiB from the file store: ~0.3 ms of 2.5)."""
+        start = time.monotonic()
+
+        def done(found: list[bool] | None, error: BaseException | None) -> None:
+            if error is not None:
+                log.warning("kvtier tier load job %d failed: %s", job.job_id, error)
+            try:
+                self._loaded(job, start, found)
+            finally:
+                self._end_job()
+
+        try:
+            blocks = self._blocks(job.chunk_ids)
+            self._shelf.start_get(self._shelf.keys(list(job.keys)), blocks, done)
+        except Exception as e:  # answered as a failed load, here
+            done(None, e)
+
+    def _loaded(self, job: TransferJob, start: float, found: list[bool] | None) -> None:
+        keys = list(job.keys)
+        found = found or [False] * len(keys)
         good = [k for k, f in zip(keys, found, strict=True) if f]
         ok = len(good) == len(keys)
         if not ok:

@@ -195,6 +195,54 @@ def striped(
     return results
 
 
+def striped_async(
+    pool: ThreadPoolExecutor,
+    threads: int,
+    fn: Callable[[int, str, Any], bool],
+    keys: Sequence[str],
+    blocks: Sequence,
+    done: Callable[[list[bool], BaseException | None], None],
+) -> None:
+    """``striped``'s work on ``pool`` (one task per thread, ``threads`` at most), returning at
+    once: the task that finishes last calls ``done(results, error)`` exactly once,
+    ``error`` the first exception a task raised (its later keys stay False). Raises only when
+    no task could be queued (a pool shut down): then ``done`` is never called."""
+    n = len(keys)
+    results: list[bool] = [False] * n
+    workers = max(1, min(threads, n))
+    left = [workers]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def finished(count: int) -> None:
+        with lock:
+            left[0] -= count
+            last = left[0] == 0
+        if last:
+            try:
+                done(results, errors[0] if errors else None)
+            except Exception:  # the caller's answer failed: nothing here can answer instead
+                log.exception("file store: a read's completion failed")
+
+    def run(stripe: int) -> None:
+        try:
+            for i in range(stripe, n, workers):
+                results[i] = fn(i, keys[i], blocks[i])
+        except Exception as e:
+            errors.append(e)
+        finished(1)
+
+    for stripe in range(workers):
+        try:
+            pool.submit(run, stripe)
+        except RuntimeError as e:  # shut down meanwhile
+            if not stripe:
+                raise
+            errors.append(e)
+            finished(workers - stripe)
+            return
+
+
 class OnceLog:
     """One warning per (operation, errno): a full disk must not flood the log."""
 
