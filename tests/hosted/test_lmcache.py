@@ -117,7 +117,7 @@ def randomize(objects, seed: int) -> None:
 def test_lmcache_creates_it_and_pages_round_trip_byte_exact(tmp_path, backend):
     adapter = make_adapter(tmp_path, backend)
     try:
-        assert adapter._shelf(OBJECT_BYTES).starts_reads == (backend == "file")
+        assert adapter._shelf(OBJECT_BYTES).starts_transfers == (backend == "file")
         keys = make_object_keys(12)
         objects = buffers(12)
         randomize(objects, seed=1)

@@ -76,7 +76,7 @@ def test_vllm_builds_the_tier_and_promotes_its_chunks_byte_exact(tmp_path, engin
     engine = Engine({"storage": storage, "enable_kv_events": True})
     engines.append(engine)
     assert isinstance(engine.tier, KvtierTier)  # built by vLLM's SecondaryTierFactory
-    assert engine.tier._shelf.starts_reads == (backend == "file")
+    assert engine.tier._shelf.starts_transfers == (backend == "file")
     keys, data = keys_of(1, 2, 3), rows_like(3, seed=1)
     engine.offload(keys, data)
     assert engine.tier.stats()["objects"] == 3

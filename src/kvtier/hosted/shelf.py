@@ -38,7 +38,10 @@ from kvtier.layout.keys import (
 )
 from kvtier.layout.spec import CacheDType, KVCacheSpec
 from kvtier.storage import StorageBackend, make_backend
-from kvtier.storage.base import Read
+from kvtier.storage.base import Read, StartsTransfers
+
+# A started transfer's answer: one bool per key, or the exception that stopped it.
+Done = Callable[[list[bool] | None, BaseException | None], None]
 
 log = logging.getLogger(__name__)
 
@@ -211,26 +214,31 @@ class Shelf:
         return self.backend.get_into(keys, blocks)
 
     @property
-    def starts_reads(self) -> bool:
-        """Whether the store runs reads on threads of its own (``start_get``)."""
-        return self.backend.starts_reads() is not None
+    def starts_transfers(self) -> bool:
+        """Whether the store runs reads and writes on threads of its own (``start_get``,
+        ``start_put``: ``StartsTransfers``)."""
+        return self.backend.starts_transfers() is not None
 
-    def start_get(
-        self,
-        keys: Sequence[str],
-        blocks: Sequence[torch.Tensor],
-        done: Callable[[list[bool] | None, BaseException | None], None],
-    ) -> None:
-        """``get`` on the store's own threads (``starts_reads``; ``StartsReads``): returns at
-        once, and ``done(found, None)`` or ``done(None, error)`` is called once when every key
-        is read. Raises, without calling ``done``, when the read cannot start."""
-        starts = self.backend.starts_reads()
-        if starts is None:
-            raise RuntimeError(f"a {self.backend.kind} store reads only in get()")
+    def start_get(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], done: Done) -> None:
+        """``get`` on the store's own threads (``starts_transfers``): returns at once, and
+        ``done(found, None)`` or ``done(None, error)`` is called once when every key is read.
+        Raises, without calling ``done``, when the read cannot start."""
+        starts = self._starts()
         starts.start_read(
             Read(keys, blocks),
             lambda result, error: done(None if result is None else result.found, error),
         )
+
+    def start_put(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], done: Done) -> None:
+        """``put`` on the store's own threads, answered as ``start_get`` is (``done(stored,
+        None)``)."""
+        self._starts().start_write(keys, blocks, done)
+
+    def _starts(self) -> StartsTransfers:
+        starts = self.backend.starts_transfers()
+        if starts is None:
+            raise RuntimeError(f"a {self.backend.kind} store moves bytes only in get() and put()")
+        return starts
 
     def put_pieces(self, keys: Sequence[str], pieces: Sequence[Sequence[memoryview]]) -> list[bool]:
         """Store each key's object from its pieces, in order (an engine page that lies in

@@ -41,7 +41,9 @@ from kvtier.hosted.shelf import Shelf, bytes_spec, fold_hash
 from kvtier.lmcache.parts import (
     KvtierL2AdapterConfig,
     L1View,
+    StoredObjects,
     TaskThreads,
+    bitmap_of,
     by_size,
     key_context,
     object_block,
@@ -84,9 +86,8 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._lookups_done: dict[L2TaskId, Bitmap] = {}
         self._loads_done: dict[L2TaskId, Bitmap] = {}
         self._locked: Counter[ObjectKey] = Counter()
-        self._stored: dict[str, tuple[ObjectKey, int]] = {}  # storage key -> LMCache key, size
+        self._objects = StoredObjects()
         self._known_keys: dict[int, tuple[str, dict[ObjectKey, str]]] = {}  # by object size
-        self._evicted: list[str] = []
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -110,7 +111,10 @@ class KvtierL2Adapter(L2AdapterInterface):
     # ---- tasks -------------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._submit(self._store, keys, objects)
+        shelf = self._shelves.get(objects[0].get_size()) if objects else None
+        if shelf is None or not shelf.starts_transfers:
+            return self._submit(self._store, keys, objects)
+        return self._submit(self._start_store, keys, objects, shelf, here=True)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -136,7 +140,7 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         shelf = self._shelves.get(objects[0].get_size()) if objects else None
-        if shelf is None or not shelf.starts_reads:
+        if shelf is None or not shelf.starts_transfers:
             return self._submit(self._load, keys, objects)
         return self._submit(self._start_load, keys, objects, shelf, here=True)
 
@@ -203,7 +207,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             shelf = self._shelves.get(size)
             if shelf is None:
                 shelf = Shelf(self._config.settings, bytes_spec(size, LAYOUT)).open()
-                shelf.backend.watch_removals(self._on_removed)
+                shelf.backend.watch_removals(self._objects.evicted)
                 self._shelves[size] = shelf
             return shelf
 
@@ -227,21 +231,60 @@ class KvtierL2Adapter(L2AdapterInterface):
             for size, where in by_size(objects).items():
                 shelf = self._shelf(size)
                 subset = [keys[i] for i in where]
-                storage_keys = self._storage_keys(shelf, subset)
-                # What this adapter stored is not written again (nor counted twice); anything
-                # else is put, which keeps an object already stored (kvtier's put contract).
-                with self._lock:
-                    fresh = [j for j, k in enumerate(storage_keys) if k not in self._stored]
+                storage_keys, fresh = self._fresh(shelf, subset)
                 blocks = [self._block(objects[where[j]]) for j in fresh]
                 stored = shelf.put([storage_keys[j] for j in fresh], blocks)
                 ok = ok and all(stored)
-                new = [j for j, good in zip(fresh, stored, strict=True) if good]
-                written += size * len(new)
-                self._account([storage_keys[j] for j in new], [subset[j] for j in new], size)
+                written += self._stored_now(size, storage_keys, subset, fresh, stored)
         except Exception as e:  # answered as a failed store; the cause is logged
             log.warning("kvtier L2 store task %d failed: %s", task_id, e)
             ok = False
         self._finish(self._stores_done, task_id, L2StoreResult(ok, written), self._store_efd)
+
+    def _start_store(self, task_id: L2TaskId, keys: list, objects: Any, shelf: Shelf) -> None:
+        """A store handed straight to a store that writes on its own threads
+        (``Shelf.start_put``), as ``_start_load``."""
+        size = shelf.object_bytes
+        if any(obj.get_size() != size for obj in objects):
+            self._pool.submit(self._store, task_id, keys, objects)
+            return
+
+        def done(stored: list[bool] | None, error: BaseException | None) -> None:
+            ok, written = False, 0
+            try:
+                if error is not None:
+                    raise error
+                assert stored is not None
+                ok = all(stored)
+                written = self._stored_now(size, storage_keys, keys, fresh, stored)
+            except Exception as e:  # answered as a failed store; the cause is logged
+                log.warning("kvtier L2 store task %d failed: %s", task_id, e)
+            result = L2StoreResult(ok, written)
+            self._finish(self._stores_done, task_id, result, self._store_efd)
+
+        try:
+            storage_keys, fresh = self._fresh(shelf, keys)
+            blocks = [self._block(objects[j]) for j in fresh]
+            shelf.start_put([storage_keys[j] for j in fresh], blocks, done)
+        except Exception as e:  # answered here
+            done(None, e)
+
+    def _fresh(self, shelf: Shelf, keys: Sequence[ObjectKey]) -> tuple[list[str], list[int]]:
+        """The storage keys of ``keys``, and which of them to write: what this adapter stored
+        is not written again (nor counted twice); anything else is put, which keeps an object
+        already stored (kvtier's put contract)."""
+        storage_keys = self._storage_keys(shelf, keys)
+        return storage_keys, self._objects.fresh(storage_keys)
+
+    def _stored_now(
+        self, size: int, storage_keys: list[str], keys: Sequence, fresh: list[int], stored: list
+    ) -> int:
+        """Account what a put stored (of ``fresh``); the bytes it wrote."""
+        new = [j for j, good in zip(fresh, stored, strict=True) if good]
+        if new:
+            self._objects.add([storage_keys[j] for j in new], [keys[j] for j in new], size)
+            self._notify_keys_stored([keys[j] for j in new], [size] * len(new))
+        return size * len(new)
 
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey], _: Any) -> None:
         bitmap = Bitmap(len(keys))
@@ -304,53 +347,18 @@ class KvtierL2Adapter(L2AdapterInterface):
         return found
 
     def _finish_load(self, task_id: L2TaskId, keys: list[ObjectKey], found: list[int]) -> None:
-        bitmap = Bitmap(len(keys))
-        found.sort()
-        if found and found[-1] == len(found) - 1:  # a leading run (almost always): one call
-            bitmap.set_range(0, len(found))
-        else:
-            for i in found:
-                bitmap.set(i)
-        self._finish(self._loads_done, task_id, bitmap, self._load_efd)
+        self._finish(self._loads_done, task_id, bitmap_of(len(keys), found), self._load_efd)
         if found:  # LRU bookkeeping of LMCache's listeners: after the answer, off its path
             self._notify_keys_accessed([keys[i] for i in found])
 
     def _block(self, obj: MemoryObj) -> torch.Tensor:
-        """The object's bytes without a copy: a slice of LMCache's L1 arena where it lies in
-        it (one slice), else its own tensor or buffer."""
-        if self._l1 is not None:
-            block = self._l1.block(obj.data_ptr, obj.get_size())
-            if block is not None:
-                return block
-        return object_block(obj)
+        return object_block(obj, self._l1)
 
     def _finish(self, done: dict, task_id: L2TaskId, result: Any, efd: Any) -> None:
-        self._report_evicted()
+        gone = self._objects.take_evicted()
+        if gone:
+            self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])
         with self._lock:
             done[task_id] = result
         self._pool.answering()  # this thread takes the caller's next task
         efd.notify()
-
-    # ---- byte accounting ---------------------------------------------------------------------
-
-    def _account(self, storage_keys: list[str], keys: list[ObjectKey], size: int) -> None:
-        if not keys:
-            return
-        with self._lock:
-            for storage_key, key in zip(storage_keys, keys, strict=True):
-                self._stored[storage_key] = (key, size)
-        self._notify_keys_stored(keys, [size] * len(keys))
-
-    def _on_removed(self, storage_keys: list[str]) -> None:
-        # Called by a backend, possibly under its locks: queued, reported after the task.
-        with self._lock:
-            self._evicted.extend(storage_keys)
-
-    def _report_evicted(self) -> None:
-        if not self._evicted:  # almost always (a read of a list: no lock taken for it)
-            return
-        with self._lock:
-            evicted, self._evicted = self._evicted, []
-            gone = [self._stored.pop(k) for k in evicted if k in self._stored]
-        if gone:
-            self._notify_keys_deleted([key for key, _ in gone], [size for _, size in gone])

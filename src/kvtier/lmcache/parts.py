@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 from kvtier.errors import ConfigError
@@ -100,9 +101,14 @@ class L1View:
         return block
 
 
-def object_block(obj: MemoryObj) -> torch.Tensor:
-    """The object's bytes as a flat uint8 tensor, without a copy: its tensor where it has a
-    plain CPU one (LMCache's ``byte_array`` builds a ctypes array on every call)."""
+def object_block(obj: MemoryObj, l1: L1View | None = None) -> torch.Tensor:
+    """The object's bytes as a flat uint8 tensor, without a copy: a slice of LMCache's L1
+    arena where it lies in it (``l1``: one slice), else its own tensor where it has a plain
+    CPU one (LMCache's ``byte_array`` builds a ctypes array on every call)."""
+    if l1 is not None:
+        block = l1.block(obj.data_ptr, obj.get_size())
+        if block is not None:
+            return block
     raw = obj.raw_tensor
     size = obj.get_size()
     if isinstance(raw, torch.Tensor) and raw.is_contiguous() and raw.device.type == "cpu":
@@ -118,6 +124,53 @@ def by_size(objects: Sequence[MemoryObj]) -> dict[int, list[int]]:
     for i, obj in enumerate(objects):
         groups.setdefault(obj.get_size(), []).append(i)
     return groups
+
+
+class StoredObjects:
+    """What the adapter stored (storage key -> LMCache key and size), for LMCache's byte
+    accounting per ``cache_salt``: added as puts succeed, taken out as kvtier's tiers evict
+    (the backend's listener queues them, possibly under its locks; a task reports them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stored: dict[str, tuple[ObjectKey, int]] = {}
+        self._evicted: list[str] = []
+
+    def fresh(self, storage_keys: Sequence[str]) -> list[int]:
+        """Which keys to write: what was stored is not written again (nor counted twice)."""
+        with self._lock:
+            return [j for j, key in enumerate(storage_keys) if key not in self._stored]
+
+    def add(self, storage_keys: Sequence[str], keys: Sequence[ObjectKey], size: int) -> None:
+        with self._lock:
+            for storage_key, key in zip(storage_keys, keys, strict=True):
+                self._stored[storage_key] = (key, size)
+
+    def evicted(self, storage_keys: list[str]) -> None:
+        """The backend's removal listener (``watch_removals``): queued, never blocks."""
+        with self._lock:
+            self._evicted.extend(storage_keys)
+
+    def take_evicted(self) -> list[tuple[ObjectKey, int]]:
+        """The stored objects evicted since the last call: their LMCache keys and sizes."""
+        if not self._evicted:  # almost always (a read of a list: no lock taken for it)
+            return []
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+            return [self._stored.pop(k) for k in evicted if k in self._stored]
+
+
+def bitmap_of(n: int, found: list[int]) -> Bitmap:
+    """LMCache's bitmap of ``n`` keys with the ``found`` ones set (one call for a leading run,
+    as a load almost always is)."""
+    bitmap = Bitmap(n)
+    found.sort()
+    if found and found[-1] == len(found) - 1:
+        bitmap.set_range(0, len(found))
+    else:
+        for i in found:
+            bitmap.set(i)
+    return bitmap
 
 
 class TaskThreads:

@@ -4,8 +4,8 @@ What a backend shares with the others (format, counters, the corrupt keys a load
 the removal listener, argument checks) is the helper base ``kvtier.storage.object_store``; a
 store that wraps another (the fault injector, a tier chain) is a ``kvtier.storage.wrappers.
 delegating.Delegating``. Optional capabilities are Protocols a route requires by type
-(``ScatteredIO``, ``Promotes``, ``StartsReads``), offered by ``scattered()``, ``promoter()``
-and ``starts_reads()``.
+(``ScatteredIO``, ``Promotes``, ``StartsTransfers``), offered by ``scattered()``,
+``promoter()`` and ``starts_transfers()``.
 
 Contract (implementations do not repeat it):
 
@@ -220,21 +220,28 @@ class Promotes(Protocol):
     def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None: ...
 
 
-# Called exactly once when a started read ends: its result, or the exception that stopped it
-# (``StartsReads``).
+# Called exactly once when a started read ends: its result, or the exception that stopped it;
+# and when a started write ends: ``put_from``'s results, or the exception (``StartsTransfers``).
 ReadDone = Callable[[ReadResult | None, BaseException | None], None]
+WriteDone = Callable[[list[bool] | None, BaseException | None], None]
 
 
 @runtime_checkable
-class StartsReads(Protocol):
-    """A store whose reads run on its own threads and answer by calling back: ``start_read``
-    checks the request, takes the blocks' buffers and returns; ``done(result, None)`` (or
-    ``done(None, error)``) is then called once, on one of the store's threads, when every key is
-    read (``read``'s result and contract). A caller with threads of its own (an engine's
-    lower-tier tasks) hands a load to the store at once instead of to one of them, and waits
-    for one hand-off fewer. Raises, without calling ``done``, when the read cannot start."""
+class StartsTransfers(Protocol):
+    """A store whose reads and writes run on its own threads and answer by calling back:
+    ``start_read`` / ``start_write`` check the request, take the blocks' buffers and return;
+    ``done(result, None)`` (or ``done(None, error)``) is then called once, on one of the
+    store's threads, when every key is done (``read``'s and ``put_from``'s results and
+    contract; the blocks are the store's until then). A caller with threads of its own (an
+    engine's lower-tier tasks) hands a transfer to the store at once instead of to one of
+    them, and waits for one hand-off fewer. Raises, without calling ``done``, when the
+    transfer cannot start."""
 
     def start_read(self, request: Read, done: ReadDone) -> None: ...
+
+    def start_write(
+        self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor], done: WriteDone
+    ) -> None: ...
 
 
 # ---- the interface -----------------------------------------------------------------------------
@@ -280,9 +287,9 @@ class StorageBackend(ABC):
         None: nothing to do with them."""
         return None
 
-    def starts_reads(self) -> StartsReads | None:
-        """Reads that answer by calling back, where this store runs them on threads of its
-        own (the file store); None: ``read`` only."""
+    def starts_transfers(self) -> StartsTransfers | None:
+        """Reads and writes that answer by calling back, where this store runs them on
+        threads of its own (the file store); None: ``read`` and ``put_from`` only."""
         return None
 
     @property

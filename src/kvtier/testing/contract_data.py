@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -148,47 +149,74 @@ class DataContract(ContractBase):
         with pytest.raises(StorageError, match="need"):
             store.get_into(keys[:1], [pool.block(0)[:100]])
 
-    def test_started_reads_answer_once_as_read_does(self, store, pool) -> None:
-        """Where a store starts reads on its own threads (``starts_reads``): ``done`` is called
-        exactly once, off the caller's thread, with what ``read`` would find (a missing and a
-        corrupt object are misses, the rest byte-exact), counted like a read; a closed store
-        refuses to start one and never calls ``done``."""
-        starts = store.starts_reads()
+    def test_started_transfers_answer_once_as_put_from_and_read_do(self, store, pool) -> None:
+        """Where a store moves bytes on its own threads (``starts_transfers``): ``done`` is
+        called exactly once per transfer, off the caller's thread, with what ``put_from`` or
+        ``read`` would answer (a stored key is kept; a missing and a corrupt object are misses,
+        the rest byte-exact), counted like them."""
+        starts = store.starts_transfers()
         if starts is None:
-            pytest.skip(f"{store.kind} reads only in read()")
+            pytest.skip(f"{store.kind} moves bytes only in read() and put_from()")
+        calls: list[tuple] = []
+
+        def run(start: Any, *args: Any) -> Any:
+            answered = threading.Event()
+
+            def done(result, error) -> None:
+                calls.append((result, error, threading.current_thread()))
+                answered.set()
+
+            before = len(calls)
+            start(*args, done)
+            assert answered.wait(60), "a started transfer was never answered"
+            result, error, thread = calls[-1]
+            assert len(calls) == before + 1 and error is None
+            assert thread is not threading.current_thread()
+            return result
+
         keys = make_keys(6)
-        self.put(store, pool, [k for i, k in enumerate(keys) if i != 3])
+        written = [k for i, k in enumerate(keys) if i != 3]
+        sources = [pool.block(i) for i in range(5)]
+        for key, block in zip(written, sources):
+            block.copy_(expected_block(key, block.numel()))
+        puts = store.stats.puts
+        assert run(starts.start_write, written, sources) == [True] * 5
+        assert run(starts.start_write, written[:1], sources[1:2]) == [True]  # kept, not replaced
+        assert store.stats.puts == puts + 6
         data = bytearray(store.read_object(keys[4]))
         data[-1] ^= 0x10  # only the payload check can see it
         store.write_object(keys[4], bytes(data))
         blocks = [pool.block(8 + i) for i in range(6)]
         for block in blocks:
             block.fill_(0xEE)
-        calls: list[tuple] = []
-        answered = threading.Event()
-
-        def done(result, error) -> None:
-            calls.append((result, error, threading.current_thread()))
-            answered.set()
-
         hits = store.stats.hits
-        starts.start_read(Read(keys, blocks), done)
-        assert answered.wait(60), "a started read was never answered"
-        result, error, thread = calls[0]
-        assert error is None and thread is not threading.current_thread()
+        result = run(starts.start_read, Read(keys, blocks))
         assert result.found == [True, True, True, False, False, True]
         for key, block, ok in zip(keys, blocks, result.found):
             if ok:
                 assert torch.equal(block, expected_block(key, block.numel())), key
         assert store.stats.hits == hits + 4
         assert store.exists_prefix(keys[4:5]) == 0  # counted corrupt and removed
+
+    def test_a_closed_store_starts_no_transfer(self, store, pool) -> None:
+        """A closed store refuses to start a transfer and never calls its ``done``."""
+        if store.starts_transfers() is None:
+            pytest.skip(f"{store.kind} moves bytes only in read() and put_from()")
         closed = self.make_store(CONTRACT_SPEC)
         closed.close()
-        refusing = closed.starts_reads()
+        refusing = closed.starts_transfers()
         assert refusing is not None
+        calls: list[tuple] = []
+
+        def record(result: Any, error: BaseException | None) -> None:
+            calls.append((result, error))
+
+        keys, blocks = make_keys(1), [pool.block(0)]
         with pytest.raises(Exception):  # noqa: B017 - whatever the store raises once closed
-            refusing.start_read(Read(keys[:1], blocks[:1]), done)
-        assert len(calls) == 1
+            refusing.start_read(Read(keys, blocks), record)
+        with pytest.raises(Exception):  # noqa: B017
+            refusing.start_write(keys, blocks, record)
+        assert not calls
 
     def test_concurrent_threads(self, store, pool) -> None:
         keys = make_keys(16)

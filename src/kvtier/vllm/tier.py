@@ -21,6 +21,7 @@ what kvtier's tiers evicted as vLLM's ``OffloadingEvent``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -145,15 +146,10 @@ class KvtierTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit(self._store, job_metadata)
+        self._submit(self._store, self._start_store, job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        if not self._shelf.starts_reads:
-            self._submit(self._load, job_metadata)
-            return
-        self._check(job_metadata)
-        self._begin_job()
-        self._start_load(job_metadata)
+        self._submit(self._load, self._start_load, job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done = []
@@ -204,28 +200,27 @@ class KvtierTier(SecondaryTierManager):
 
     # ---- jobs (this tier's threads) ----------------------------------------------------------
 
-    def _submit(self, run: Any, job: TransferJob) -> None:
-        self._check(job)
-        self._begin_job()
+    def _submit(self, run: Any, start: Any, job: TransferJob) -> None:
+        """``start(job)`` here where the store moves bytes on threads of its own (it only hands
+        the job on: one hand-off fewer), else ``run(job)`` on this tier's threads."""
+        if len(job.keys) != len(job.chunk_ids):
+            raise ValueError(f"{len(job.keys)} keys but {len(job.chunk_ids)} chunk ids")
+        with self._lock:
+            self._jobs += 1
+        if self._shelf.starts_transfers:
+            start(job)
+            return
         try:
             self._pool.submit(self._run, run, job)
         except RuntimeError:  # shut down
             self._end_job()
             raise
 
-    def _check(self, job: TransferJob) -> None:
-        if len(job.keys) != len(job.chunk_ids):
-            raise ValueError(f"{len(job.keys)} keys but {len(job.chunk_ids)} chunk ids")
-
     def _run(self, run: Any, job: TransferJob) -> None:
         try:
             run(job)
         finally:
             self._end_job()
-
-    def _begin_job(self) -> None:
-        with self._lock:
-            self._jobs += 1
 
     def _end_job(self) -> None:
         """A job answered (its result queued): ``drain_jobs`` returns once none is left."""
@@ -248,22 +243,14 @@ class KvtierTier(SecondaryTierManager):
             return [False] * len(keys)
 
     def _store(self, job: TransferJob) -> None:
-        start = time.monotonic()
-        keys = list(job.keys)
-        ok, moved = False, 0
+        start, storage_keys, stored = time.monotonic(), [], None
         try:
             # A put keeps an object already stored (kvtier's put contract): no lookup first.
-            storage_keys = self._shelf.keys(keys)
+            storage_keys = self._shelf.keys(list(job.keys))
             stored = self._shelf.put(storage_keys, self._blocks(job.chunk_ids))
-            ok = all(stored)
-            moved = sum(stored) * self.block_size_bytes
-            self._record_stored(
-                [k for k, s in zip(storage_keys, stored, strict=True) if s],
-                [k for k, s in zip(keys, stored, strict=True) if s],
-            )
         except Exception as e:  # answered as a failed job; the cause is logged
             log.warning("kvtier tier store job %d failed: %s", job.job_id, e)
-        self._finished.put(JobResult(job.job_id, ok, None, time.monotonic() - start, moved or None))
+        self._put_done(job, start, stored, storage_keys)
 
     def _load(self, job: TransferJob) -> None:
         start = time.monotonic()
@@ -274,27 +261,48 @@ class KvtierTier(SecondaryTierManager):
             log.warning("kvtier tier load job %d failed: %s", job.job_id, e)
         self._loaded(job, start, found)
 
-    def _start_load(self, job: TransferJob) -> None:
-        """A load handed straight to a store that reads on its own threads
-        (``Shelf.start_get``), answered by the one that finishes it: one hand-off fewer than
-        through this tier's threads (32 x 256 KiB from the file store: ~0.3 ms of 2.5)."""
-        start = time.monotonic()
+    def _start_store(self, job: TransferJob) -> None:
+        self._start(job, "store", self._shelf.start_put, functools.partial(self._put_done, job))
 
-        def done(found: list[bool] | None, error: BaseException | None) -> None:
+    def _start_load(self, job: TransferJob) -> None:
+        self._start(job, "load", self._shelf.start_get, functools.partial(self._loaded, job))
+
+    def _start(self, job: TransferJob, what: str, move: Any, answer: Any) -> None:
+        """A job handed straight to a store that moves bytes on threads of its own
+        (``move``: ``Shelf.start_put`` or ``start_get``) and answered by the one that finishes
+        it (``answer(start, results, storage_keys)``; here if it cannot begin): one hand-off
+        fewer than through this tier's threads (32 x 256 KiB loads from the file store: ~0.3
+        ms of 2.5)."""
+        start, storage_keys = time.monotonic(), list[str]()
+
+        def done(results: list[bool] | None, error: BaseException | None) -> None:
             if error is not None:
-                log.warning("kvtier tier load job %d failed: %s", job.job_id, error)
+                log.warning("kvtier tier %s job %d failed: %s", what, job.job_id, error)
             try:
-                self._loaded(job, start, found)
+                answer(start, results, storage_keys)
             finally:
                 self._end_job()
 
         try:
-            blocks = self._blocks(job.chunk_ids)
-            self._shelf.start_get(self._shelf.keys(list(job.keys)), blocks, done)
-        except Exception as e:  # answered as a failed load, here
+            storage_keys += self._shelf.keys(list(job.keys))
+            move(storage_keys, self._blocks(job.chunk_ids), done)
+        except Exception as e:  # answered as a failed job, here
             done(None, e)
 
-    def _loaded(self, job: TransferJob, start: float, found: list[bool] | None) -> None:
+    def _put_done(
+        self, job: TransferJob, start: float, stored: list[bool] | None, storage_keys: list[str]
+    ) -> None:
+        keys = list(job.keys)
+        ok, moved = stored is not None and all(stored), 0
+        if stored is not None:
+            moved = sum(stored) * self.block_size_bytes
+            self._record_stored(
+                [k for k, s in zip(storage_keys, stored, strict=True) if s],
+                [k for k, s in zip(keys, stored, strict=True) if s],
+            )
+        self._finished.put(JobResult(job.job_id, ok, None, time.monotonic() - start, moved or None))
+
+    def _loaded(self, job: TransferJob, start: float, found: list[bool] | None, *_: object) -> None:
         keys = list(job.keys)
         found = found or [False] * len(keys)
         good = [k for k, f in zip(keys, found, strict=True) if f]

@@ -287,15 +287,20 @@ def warn_if_open(root: Path, permissions: Any) -> None:
 
 class CallersPriorityPool:
     """A thread pool made on first use, its threads at the priority of the thread that first
-    used it (a worker's background save thread: the store's writes stay background work)."""
+    used it (a worker's background save thread: the store's writes stay background work).
+    Once shut down it makes none again (``get`` raises RuntimeError, as a pool shut down
+    refuses work)."""
 
     def __init__(self, threads: int, name: str) -> None:
         self.threads, self.name = threads, name
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: shut down")
             if self._pool is None:
                 nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
                 self._pool = ThreadPoolExecutor(
@@ -305,6 +310,7 @@ class CallersPriorityPool:
 
     def shutdown(self) -> None:
         with self._lock:
+            self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

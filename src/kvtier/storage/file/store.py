@@ -49,7 +49,7 @@ from typing import Any
 
 from kvtier.errors import ObjectCorrupt, StorageError
 from kvtier.layout.spec import KVCacheSpec
-from kvtier.storage.base import Read, ReadDone, ReadResult, StorageUsage
+from kvtier.storage.base import Read, ReadDone, ReadResult, StorageUsage, WriteDone
 from kvtier.storage.file.config import FileStoreConfig
 from kvtier.storage.file.dirs import FANOUT_DIRS, StoreDirs, fanout_name, object_name
 from kvtier.storage.file.index import LruIndex
@@ -124,12 +124,12 @@ class FileStore(ScatteredObjectStore):
         fn, views = self._read_plan(request, result)
         result.found[:] = self._striped(fn, request.keys, views)
 
-    def starts_reads(self) -> FileStore:
+    def starts_transfers(self) -> FileStore:
         return self
 
     def start_read(self, request: Read, done: ReadDone) -> None:
-        """``StartsReads``: the read runs on the I/O threads (all of them for a large batch,
-        one for a small one), the last to finish answers."""
+        """``StartsTransfers``: the read runs on the I/O threads (all of them for a large
+        batch, one for a small one), the last to finish answers."""
         self._check_batch(request.keys, request.host_blocks)
         result = ReadResult.empty(request)
         fn, views = self._read_plan(request, result)
@@ -143,9 +143,26 @@ class FileStore(ScatteredObjectStore):
                 self._count_gets(found)
             done(result, None)
 
-        large = len(views) * self.object_bytes >= PARALLEL_MIN_BYTES
-        threads = self.config.io_threads if large else 1
+        threads = self.config.io_threads if self._large(request.keys) else 1
         striped_async(self._pool, threads, fn, request.keys, views, finished)
+
+    def start_write(self, keys, host_blocks, done: WriteDone) -> None:
+        """``StartsTransfers``: ``put_from`` on the writers (all of them for a large batch,
+        one for a small one), the last to finish answers (after evicting, as ``put_from``)."""
+        self._check_batch(keys, host_blocks)
+        views = [[block.numpy().data] for block in host_blocks]  # here: as ``_read_plan``
+
+        def finished(stored: list[bool], error: BaseException | None) -> None:
+            if error is None:
+                try:
+                    self._count_puts(stored)
+                    self._evict_if_needed()
+                except Exception as e:
+                    error = e
+            done(stored if error is None else None, error)
+
+        threads = self.config.io_threads if self._large(keys) else 1
+        striped_async(self._writers.get(), threads, self._put_one, keys, views, finished)
 
     def _read_plan(self, request: Read, result: ReadResult) -> tuple[Any, list]:
         """The call reading one object of ``request`` into ``result``, and each block's buffer.
@@ -177,7 +194,7 @@ class FileStore(ScatteredObjectStore):
         # Large batches are written by ``io_threads`` threads (one thread reached half the
         # rate of a raw write with as many threads), at the priority of the thread that made
         # the first large put: a worker's background save thread's.
-        pool = self._writers.get() if len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES else None
+        pool = self._writers.get() if self._large(keys) else None
         views = [[block.numpy().data] for block in host_blocks]  # here: as ``_read``
         results = self._count_puts(striped(pool, self.config.io_threads, fn, keys, views))
         self._evict_if_needed()
@@ -347,10 +364,14 @@ class FileStore(ScatteredObjectStore):
             self._index.forget(name)
         return removed
 
+    def _large(self, keys: Sequence[str]) -> bool:
+        """Whether a batch is spread over the I/O threads (``PARALLEL_MIN_BYTES``)."""
+        return len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES
+
     def _striped(self, fn, keys: Sequence[str], blocks: Sequence, prefix=False) -> list[bool]:
         """``fn(i, key, block)`` for every key; one task per I/O thread for large batches;
         ``prefix``: stop at the first False (see ``striped``)."""
-        pool = self._pool if len(keys) * self.object_bytes >= PARALLEL_MIN_BYTES else None
+        pool = self._pool if self._large(keys) else None
         return striped(pool, self.config.io_threads, fn, keys, blocks, prefix)
 
 
