@@ -29,15 +29,17 @@ def median_seconds(
 
 
 class Timing(NamedTuple):
-    """Seconds of several timed runs: the median and the spread."""
+    """Seconds of several timed runs: the median and the spread (``samples``: each run's, in
+    order)."""
 
     median: float
     fastest: float
     slowest: float
+    samples: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, seconds: Sequence[float]) -> Timing:
-        return cls(statistics.median(seconds), min(seconds), max(seconds))
+        return cls(statistics.median(seconds), min(seconds), max(seconds), tuple(seconds))
 
     def gbps_range(self, num_bytes: int) -> str:
         """'min-max' GB/s of the runs (slowest run first)."""
@@ -49,15 +51,18 @@ def interleaved_timings(
     runs: int,
     sync: Callable[[], None] = lambda: None,
     min_sample_s: float = 0.0,
+    alternate: bool = False,
 ) -> dict[str, Timing]:
     """Seconds per call of each function, run in turn each round so that all of them see the
     same machine noise (these machines are shared). The first round warms up, is not counted,
     and sizes each sample: a function that takes less than ``min_sample_s`` is called several
-    times per sample (a millisecond call timed alone swings by tens of percent)."""
+    times per sample (a millisecond call timed alone swings by tens of percent).
+    ``alternate``: the order turns each round (none always runs first)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     repeats = dict.fromkeys(fns, 1)
     for round_ in range(runs + 1):
-        for name, fn in fns.items():
+        turn = list(fns.items())
+        for name, fn in reversed(turn) if alternate and round_ % 2 else turn:
             sync()
             start = time.perf_counter()
             for _ in range(repeats[name]):

@@ -12,8 +12,9 @@
    ``batch_set_v1`` / ``batch_get_v1`` from and into a host pool in its layout, vLLM's tier jobs
    (submitted, polled as its scheduler polls) — and straight through the same backend
    (``put_from`` / ``get_into`` of the same bytes, keys built beforehand). Reported: ms per batch
-   of each, interleaved (a load sample repeats it for 50 ms), and surface ÷ alone: what the
-   surface costs over the store.
+   of each, interleaved with the order turning each round (a load sample repeats it for 50 ms),
+   and surface ÷ alone, the median of each round's ratio: what the surface costs over the
+   store (the ratio of the two medians beside it).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier_bench.common import emit, interleaved_timings, progress
+from kvtier_bench.common import Timing, emit, interleaved_timings, progress
 
 ADAPTERS = ("fs", "kvtier")
 LOAD_SAMPLE_S = 0.05
@@ -42,9 +44,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--surface-rounds",
         type=int,
-        default=15,
-        help="interleaved rounds of each surface against the store alone (writes to the page "
-        "cache stall now and then: a median needs more than a few)",
+        default=41,
+        help="interleaved rounds of each surface against the store alone, the order turning "
+        "each round (writes to the page cache stall now and then: a median needs many)",
     )
     p.add_argument("--num-keys", type=int, default=32, help="objects per batch (LMCache's)")
     p.add_argument("--data-size-kb", type=int, default=256, help="bytes per object, in KiB")
@@ -180,11 +182,14 @@ def lmcache_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], obj
         task = adapter.submit_load_task(loaded, objects)
         assert wait(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
 
+    views = [block.numpy().data for block in blocks]
     return {
         "store": store,
         "store alone": lambda: shelf.put(alone_keys(), blocks),
+        "store started": started(shelf.start_put, alone_keys, views),
         "load": load,
         "load alone": lambda: shelf.get(loaded_storage, blocks),
+        "load started": started(shelf.start_get, lambda: loaded_storage, views),
         "close": adapter.close,
     }
 
@@ -218,16 +223,18 @@ def sglang_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], obje
     shelf = backend.shelf
     loaded_storage = backend._keys(loaded)
 
-    def alone_store() -> None:
+    def alone_keys() -> list[str]:
         base = next(counter) * n
-        hashes = [fold_hash(i.to_bytes(32, "big")) for i in range(base, base + n)]
-        shelf.put(shelf.keys(hashes, 0), blocks)
+        return shelf.keys([fold_hash(i.to_bytes(32, "big")) for i in range(base, base + n)], 0)
 
+    views = [block.numpy().data for block in blocks]
     return {
         "store": lambda: backend.batch_set_v1(fresh(), first),
-        "store alone": alone_store,
+        "store alone": lambda: shelf.put(alone_keys(), blocks),
+        "store started": started(shelf.start_put, alone_keys, views),
         "load": lambda: backend.batch_get_v1(loaded, second),
         "load alone": lambda: shelf.get(loaded_storage, blocks),
+        "load started": started(shelf.start_get, lambda: loaded_storage, views),
         "close": backend.close,
     }
 
@@ -264,17 +271,45 @@ def vllm_surface(root: Path, n: int, size: int) -> dict[str, Callable[[], object
     run(tier.submit_store, loaded)
     loaded_storage = shelf.keys(loaded)
 
+    views = [block.numpy().data for block in blocks]
+
     def close() -> None:
         blocks.clear()  # views of vLLM's region: it cannot unmap while they are held
+        views.clear()
         engine.close()
 
     return {
         "store": lambda: run(tier.submit_store, fresh()),
         "store alone": lambda: shelf.put(shelf.keys(fresh()), blocks),
+        "store started": started(shelf.start_put, lambda: shelf.keys(fresh()), views),
         "load": lambda: run(tier.submit_load, loaded),
         "load alone": lambda: shelf.get(loaded_storage, blocks),
+        "load started": started(shelf.start_get, lambda: loaded_storage, views),
         "close": close,
     }
+
+
+def started(
+    start: Callable[..., None], keys: Callable[[], list[str]], views: list[memoryview]
+) -> Callable[[], None]:
+    """The store's own started transfer of the same bytes (``Shelf.start_get`` / ``start_put``
+    from and into byte buffers), waited on an event: its fastest path, nothing of a surface."""
+    answered = threading.Event()
+    failed: list[object] = []
+
+    def done(results: list[bool] | None, error: BaseException | None) -> None:
+        if error is not None or not results or not all(results):
+            failed.append(error or results)
+        answered.set()
+
+    def call() -> None:
+        answered.clear()
+        start(keys(), views, done)
+        answered.wait()
+        if failed:
+            raise SystemExit(f"a started transfer of the store failed: {failed[0]}")
+
+    return call
 
 
 SURFACES = {"lmcache": lmcache_surface, "sglang": sglang_surface, "vllm tier": vllm_surface}
@@ -288,29 +323,41 @@ def surface_rows(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         folder = Path(tempfile.mkdtemp(prefix="surface-", dir=root))
         calls = make(folder, n, size)
         try:
-            stores = {k: calls[k] for k in ("store", "store alone")}
-            loads = {k: calls[k] for k in ("load", "load alone")}
-            timings = interleaved_timings(stores, args.surface_rounds)
+            stores = {k: calls[k] for k in ("store", "store alone", "store started")}
+            loads = {k: calls[k] for k in ("load", "load alone", "load started")}
+            timings = interleaved_timings(stores, args.surface_rounds, alternate=True)
             # A load takes milliseconds: each sample is several (LOAD_SAMPLE_S), so that one
             # call's scheduling does not decide a round.
-            timings |= interleaved_timings(loads, args.surface_rounds, min_sample_s=LOAD_SAMPLE_S)
+            timings |= interleaved_timings(
+                loads, args.surface_rounds, min_sample_s=LOAD_SAMPLE_S, alternate=True
+            )
         finally:
             calls["close"]()
             shutil.rmtree(folder, ignore_errors=True)
         for op in ("store", "load"):
-            through, alone = timings[op].median, timings[f"{op} alone"].median
+            through, alone, fastest = timings[op], timings[f"{op} alone"], timings[f"{op} started"]
             rows.append(
                 {
                     "part": "surface over storage alone",
                     "surface": name,
                     "op": op,
-                    "surface_ms": through * 1e3,
-                    "alone_ms": alone * 1e3,
-                    "ratio": through / alone,
+                    "surface_ms": through.median * 1e3,
+                    "alone_ms": alone.median * 1e3,
+                    "started_ms": fastest.median * 1e3,
+                    "ratio": _paired(through, alone),
+                    "ratio_started": _paired(through, fastest),
+                    "ratio_of_medians": through.median / alone.median,
                     "load": round(os.getloadavg()[0], 2),
                 }
             )
     return rows
+
+
+def _paired(surface: Timing, alone: Timing) -> float:
+    """Each round's surface over the same round's store alone, the median of those: the disk's
+    pace drifts between rounds (a store's batch took 7 ms in one run, 17 in the next), which a
+    ratio of the two medians mixes in."""
+    return _median([s / a for s, a in zip(surface.samples, alone.samples, strict=True)])
 
 
 def _median(values: list[float]) -> float:
@@ -336,10 +383,13 @@ def report(args: argparse.Namespace) -> int:
             emit(
                 surface_rows(root, args),
                 args.json,
-                "each surface over kvtier's storage alone (same objects; medians, ms per batch)",
+                "each surface over kvtier's storage alone (same objects; ms per batch, medians; "
+                "alone: get_into / put_from; started: start_get / start_put of byte buffers; "
+                "ratios: the median of each round's)",
                 [("surface", "surface", ""), ("op", "op", ""), ("surface_ms", "surface", ".2f"),
-                 ("alone_ms", "storage alone", ".2f"), ("ratio", "surface ÷ alone", ".3f"),
-                 ("load", "load", "")],
+                 ("alone_ms", "alone", ".2f"), ("started_ms", "started", ".2f"),
+                 ("ratio", "surface ÷ alone", ".3f"), ("ratio_started", "÷ started", ".3f"),
+                 ("ratio_of_medians", "÷ alone, medians", ".3f"), ("load", "load", "")],
             )  # fmt: skip
     finally:
         if not args.root:

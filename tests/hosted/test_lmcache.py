@@ -395,3 +395,28 @@ def _drive_task_threads(threads, logged) -> None:
     assert sorted(ran) == [0, 1, 2, 3, 4, 5]
     with pytest.raises(RuntimeError, match="stopped"):
         threads.submit(lambda: None)
+
+
+def test_objects_in_lmcaches_l1_arena_and_outside_it_round_trip_byte_exact(tmp_path):
+    """As LMCache's benchmark and controllers make it: the adapter sees the L1 arena
+    (``l1_memory_desc``) and moves objects in it as slices of it; an object outside it (its
+    own tensor) in the same tasks is moved from and into its own bytes."""
+    from lmcache.cli.commands.bench.l2_adapter_bench.data import create_l1_memory_desc
+
+    arena = make_aligned_tensor(8 * OBJECT_BYTES)
+    settings = {"storage": {"backend": "file", "root": str(tmp_path)}}
+    adapter = KvtierL2Adapter(settings, l1_memory_desc=create_l1_memory_desc(arena))
+    try:
+        keys = make_object_keys(4)
+        inside = make_memory_objects(arena, 4, OBJECT_BYTES, 0)
+        randomize(inside, seed=9)
+        outside = buffers(1, fill_offset=3)
+        objects = [inside[0], inside[1], outside[0], inside[3]]
+        assert store(adapter, keys[:1], objects[:1]) == OBJECT_BYTES  # opens the shelf
+        assert store(adapter, keys, objects) == 3 * OBJECT_BYTES
+        targets = make_memory_objects(arena, 3, OBJECT_BYTES, 4 * OBJECT_BYTES) + buffers(1, 60)
+        assert load(adapter, keys, targets) == [0, 1, 2, 3]
+        for got, want in zip(targets, objects, strict=True):
+            assert bytes(got.byte_array) == bytes(want.byte_array)
+    finally:
+        adapter.close()

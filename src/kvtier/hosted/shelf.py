@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,7 @@ from kvtier.layout.keys import (
 )
 from kvtier.layout.spec import CacheDType, KVCacheSpec
 from kvtier.storage import StorageBackend, make_backend
-from kvtier.storage.base import Read, StartsTransfers
-
-# A started transfer's answer: one bool per key, or the exception that stopped it.
-Done = Callable[[list[bool] | None, BaseException | None], None]
+from kvtier.storage.base import Done, StartsTransfers
 
 log = logging.getLogger(__name__)
 
@@ -219,20 +216,16 @@ class Shelf:
         ``start_put``: ``StartsTransfers``)."""
         return self.backend.starts_transfers() is not None
 
-    def start_get(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], done: Done) -> None:
-        """``get`` on the store's own threads (``starts_transfers``): returns at once, and
-        ``done(found, None)`` or ``done(None, error)`` is called once when every key is read.
-        Raises, without calling ``done``, when the read cannot start."""
-        starts = self._starts()
-        starts.start_read(
-            Read(keys, blocks),
-            lambda result, error: done(None if result is None else result.found, error),
-        )
+    def start_get(self, keys: Sequence[str], buffers: Sequence[memoryview], done: Done) -> None:
+        """``get`` into byte buffers on the store's own threads (``starts_transfers``):
+        returns at once, and ``done(found, None)`` or ``done(None, error)`` is called once when
+        every key is read. Raises, without calling ``done``, when the read cannot start."""
+        self._starts().start_read(keys, buffers, done)
 
-    def start_put(self, keys: Sequence[str], blocks: Sequence[torch.Tensor], done: Done) -> None:
-        """``put`` on the store's own threads, answered as ``start_get`` is (``done(stored,
-        None)``)."""
-        self._starts().start_write(keys, blocks, done)
+    def start_put(self, keys: Sequence[str], buffers: Sequence[memoryview], done: Done) -> None:
+        """``put`` from byte buffers on the store's own threads, answered as ``start_get``
+        is (``done(stored, None)``)."""
+        self._starts().start_write(keys, buffers, done)
 
     def _starts(self) -> StartsTransfers:
         starts = self.backend.starts_transfers()

@@ -86,7 +86,16 @@ class L1View:
         self.base, self.size = desc.ptr, desc.size
         arena = (ctypes.c_ubyte * desc.size).from_address(desc.ptr)
         self.flat = torch.frombuffer(arena, dtype=torch.uint8)
+        self.bytes = memoryview(arena).cast("B")
         self._slices: dict[tuple[int, int], torch.Tensor] = {}
+
+    def view(self, address: int, nbytes: int) -> memoryview | None:
+        """The bytes at ``address`` as a memoryview slice (cheaper than a tensor: made each
+        time), or None where they are not all in the arena."""
+        at = address - self.base
+        if at < 0 or at + nbytes > self.size:
+            return None
+        return self.bytes[at : at + nbytes]
 
     def block(self, address: int, nbytes: int) -> torch.Tensor | None:
         block = self._slices.get((address, nbytes))
@@ -116,6 +125,20 @@ def object_block(obj: MemoryObj, l1: L1View | None = None) -> torch.Tensor:
         if flat.numel() >= size:
             return flat[:size]
     return as_block(obj.byte_array)
+
+
+def object_buffers(
+    objects: Sequence[MemoryObj], size: int, l1: L1View | None
+) -> list[memoryview] | None:
+    """Each object's bytes (``object_block``'s) as a memoryview, for the store's started
+    transfers; None if one is not ``size`` bytes."""
+    buffers = []
+    for obj in objects:
+        if obj.get_size() != size:
+            return None
+        view = l1.view(obj.data_ptr, size) if l1 is not None else None
+        buffers.append(view if view is not None else object_block(obj).numpy().data)
+    return buffers
 
 
 def by_size(objects: Sequence[MemoryObj]) -> dict[int, list[int]]:

@@ -220,27 +220,30 @@ class Promotes(Protocol):
     def promote(self, keys: Sequence[str], sources: Sequence[Sequence[memoryview]]) -> None: ...
 
 
-# Called exactly once when a started read ends: its result, or the exception that stopped it;
-# and when a started write ends: ``put_from``'s results, or the exception (``StartsTransfers``).
-ReadDone = Callable[[ReadResult | None, BaseException | None], None]
-WriteDone = Callable[[list[bool] | None, BaseException | None], None]
+# Called exactly once when a started transfer ends: one bool per key (``get_into``'s or
+# ``put_from``'s), or the exception that stopped it (``StartsTransfers``).
+Done = Callable[[list[bool] | None, BaseException | None], None]
 
 
 @runtime_checkable
 class StartsTransfers(Protocol):
-    """A store whose reads and writes run on its own threads and answer by calling back:
-    ``start_read`` / ``start_write`` check the request, take the blocks' buffers and return;
-    ``done(result, None)`` (or ``done(None, error)``) is then called once, on one of the
-    store's threads, when every key is done (``read``'s and ``put_from``'s results and
-    contract; the blocks are the store's until then). A caller with threads of its own (an
-    engine's lower-tier tasks) hands a transfer to the store at once instead of to one of
-    them, and waits for one hand-off fewer. Raises, without calling ``done``, when the
-    transfer cannot start."""
+    """A store whose reads and writes run on its own threads and answer by calling back, from
+    and into plain byte buffers: ``buffers[i]`` is a C-contiguous memoryview of format ``B``
+    and exactly ``payload_bytes`` (writable for a read), the caller's until ``done``.
+    ``start_read`` / ``start_write`` check the request and return; ``done(found, None)`` (or
+    ``done(None, error)``) is then called once, on one of the store's threads, when every key
+    is done, with ``get_into``'s and ``put_from``'s results and contract (a read is verified
+    here, and counted). A caller with threads of its own (an engine's lower-tier tasks) hands
+    a transfer to the store at once instead of to one of them, and waits for one hand-off
+    fewer; and a buffer costs none of a tensor's checks and conversions (a few us a block).
+    Raises, without calling ``done``, when the transfer cannot start."""
 
-    def start_read(self, request: Read, done: ReadDone) -> None: ...
+    def start_read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], done: Done
+    ) -> None: ...
 
     def start_write(
-        self, keys: Sequence[str], host_blocks: Sequence[torch.Tensor], done: WriteDone
+        self, keys: Sequence[str], buffers: Sequence[memoryview], done: Done
     ) -> None: ...
 
 

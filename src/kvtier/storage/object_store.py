@@ -169,6 +169,20 @@ def check_blocks(host_blocks: Sequence[torch.Tensor], payload_bytes: int) -> Non
             raise StorageError(f"host block {i} must be a contiguous CPU tensor")
 
 
+def check_buffers(
+    keys: Sequence[str], buffers: Sequence[memoryview], payload_bytes: int, writable: bool
+) -> None:
+    """One buffer per key, each a C-contiguous byte memoryview of ``payload_bytes``, writable
+    where it is to be filled (``StartsTransfers``)."""
+    if len(keys) != len(buffers):
+        raise StorageError(f"{len(keys)} keys but {len(buffers)} buffers")
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, memoryview) or buf.nbytes != payload_bytes or buf.format != "B":
+            raise StorageError(f"buffer {i} must be a byte memoryview of {payload_bytes} bytes")
+        if not buf.c_contiguous or (writable and buf.readonly):
+            raise StorageError(f"buffer {i} must be contiguous" + (" and writable" * writable))
+
+
 def check_scattered(keys: Sequence[str], targets, payload_bytes: int | None) -> None:
     """One target per key, each ``payload_bytes`` long in its pieces (None: lengths only)."""
     if len(keys) != len(targets):

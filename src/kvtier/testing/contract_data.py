@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvtier.errors import StorageError
-from kvtier.storage.base import Read
 from kvtier.testing.contract_base import (
     CONTRACT_SPEC,
     ContractBase,
@@ -176,9 +175,8 @@ class DataContract(ContractBase):
 
         keys = make_keys(6)
         written = [k for i, k in enumerate(keys) if i != 3]
-        sources = [pool.block(i) for i in range(5)]
-        for key, block in zip(written, sources):
-            block.copy_(expected_block(key, block.numel()))
+        nbytes = CONTRACT_SPEC.block_bytes
+        sources = [memoryview(bytes(expected_block(k, nbytes).numpy())) for k in written]
         puts = store.stats.puts
         assert run(starts.start_write, written, sources) == [True] * 5
         assert run(starts.start_write, written[:1], sources[1:2]) == [True]  # kept, not replaced
@@ -186,16 +184,18 @@ class DataContract(ContractBase):
         data = bytearray(store.read_object(keys[4]))
         data[-1] ^= 0x10  # only the payload check can see it
         store.write_object(keys[4], bytes(data))
-        blocks = [pool.block(8 + i) for i in range(6)]
-        for block in blocks:
-            block.fill_(0xEE)
+        targets = [memoryview(bytearray(b"\xee" * nbytes)) for _ in keys]
         hits = store.stats.hits
-        result = run(starts.start_read, Read(keys, blocks))
-        assert result.found == [True, True, True, False, False, True]
-        for key, block, ok in zip(keys, blocks, result.found):
+        found = run(starts.start_read, keys, targets)
+        assert found == [True, True, True, False, False, True]
+        for key, target, ok in zip(keys, targets, found):
             if ok:
-                assert torch.equal(block, expected_block(key, block.numel())), key
+                assert bytes(target) == bytes(expected_block(key, nbytes).numpy()), key
         assert store.stats.hits == hits + 4
+        with pytest.raises(StorageError, match="buffer 0"):
+            starts.start_read(keys[:1], [memoryview(bytes(nbytes))], calls.append)  # read-only
+        with pytest.raises(StorageError, match="2 keys but 1 buffers"):
+            starts.start_write(keys[:2], sources[:1], calls.append)
         assert store.exists_prefix(keys[4:5]) == 0  # counted corrupt and removed
 
     def test_a_closed_store_starts_no_transfer(self, store, pool) -> None:
@@ -211,11 +211,11 @@ class DataContract(ContractBase):
         def record(result: Any, error: BaseException | None) -> None:
             calls.append((result, error))
 
-        keys, blocks = make_keys(1), [pool.block(0)]
+        keys, buffers = make_keys(1), [memoryview(bytearray(CONTRACT_SPEC.block_bytes))]
         with pytest.raises(Exception):  # noqa: B017 - whatever the store raises once closed
-            refusing.start_read(Read(keys, blocks), record)
+            refusing.start_read(keys, buffers, record)
         with pytest.raises(Exception):  # noqa: B017
-            refusing.start_write(keys, blocks, record)
+            refusing.start_write(keys, buffers, record)
         assert not calls
 
     def test_concurrent_threads(self, store, pool) -> None:
