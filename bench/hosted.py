@@ -25,6 +25,7 @@ import json
 import os
 import select
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,9 +125,9 @@ def lmcache_rows(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             {
                 "part": "lmcache bench l2",
                 "measure": measure,
-                "fs": _median(fs),
-                "kvtier": _median(kv),
-                "ratio": _median([k / f for k, f in zip(kv, fs, strict=True)]),
+                "fs": statistics.median(fs),
+                "kvtier": statistics.median(kv),
+                "ratio": statistics.median([k / f for k, f in zip(kv, fs, strict=True)]),
                 "ratios": [round(k / f, 3) for k, f in zip(kv, fs, strict=True)],
                 "load": loads,
             }
@@ -357,13 +358,7 @@ def _paired(surface: Timing, alone: Timing) -> float:
     """Each round's surface over the same round's store alone, the median of those: the disk's
     pace drifts between rounds (a store's batch took 7 ms in one run, 17 in the next), which a
     ratio of the two medians mixes in."""
-    return _median([s / a for s, a in zip(surface.samples, alone.samples, strict=True)])
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return statistics.median([s / a for s, a in zip(surface.samples, alone.samples, strict=True)])
 
 
 def report(args: argparse.Namespace) -> int:
