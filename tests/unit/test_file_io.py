@@ -154,7 +154,7 @@ def test_striped_async_answers_once_from_the_last_stripe_whatever_fails(caplog) 
 
         file_io.striped_async(pool, 4, lambda i, k, b: True, keys, list(keys), broken)
         pool.shutdown(wait=True)  # every stripe has run
-    assert "a read's completion failed" in caplog.text
+    assert "a transfer's completion failed" in caplog.text
     with pytest.raises(RuntimeError):
         file_io.striped_async(pool, 4, lambda i, k, b: True, keys, list(keys), calls.append)
     assert len(calls) == 1

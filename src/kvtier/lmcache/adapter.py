@@ -13,8 +13,11 @@ group, cache salt and model name folded in, the weight version, the layout (the 
 and ``kv_rank`` folded in too. Every load is checked (checksum or MAC, layout, key): a bad
 object is a miss, never bytes.
 
-The interface (``lmcache.v1.distributed.l2_adapters.base``): tasks are submitted, run on this
-adapter's threads and polled; each kind signals its own event fd when one finishes. A lookup's
+The interface (``lmcache.v1.distributed.l2_adapters.base``): tasks are submitted and polled;
+each kind signals its own event fd when one finishes. Lookups run on this adapter's threads;
+loads and stores are handed straight to a store that moves bytes on threads of its own (the
+file store: ``StartsTransfers``), whose last thread answers, and run on this adapter's threads
+otherwise (and for objects of several sizes, or of a size not seen yet). A lookup's
 bitmap is the leading run of stored keys (what a load can use). Locks are counted per key and
 released by ``submit_unlock``; kvtier's tiers do not pin objects, so one evicted between a
 lookup and its load is a miss in that load (the interface allows it). Bytes are accounted per

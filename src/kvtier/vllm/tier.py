@@ -14,9 +14,10 @@ model, the weight version (``weight_version``, or ``model_dir``'s ``version.yaml
 when it changes) and a layout that names the row's size, dtype and the engine's parallel
 geometry (another geometry never reads these rows); every load is checked (checksum or MAC,
 layout, key), and a bad object is a miss. Lookups run on vLLM's ``AsyncLookupManager`` thread
-(the scheduler never waits on storage); stores and loads on this tier's threads (``workers``,
-default 4). With ``enable_kv_events`` (and vLLM's KV events on) it reports what it stored and
-what kvtier's tiers evicted as vLLM's ``OffloadingEvent``.
+(the scheduler never waits on storage); stores and loads are handed straight to a store that
+moves bytes on threads of its own (the file store: ``StartsTransfers``), else run on this tier's
+threads (``workers``, default 4). With ``enable_kv_events`` (and vLLM's KV events on) it
+reports what it stored and what kvtier's tiers evicted as vLLM's ``OffloadingEvent``.
 """
 
 from __future__ import annotations

@@ -222,7 +222,11 @@ def striped_async(
             try:
                 done(results, errors[0] if errors else None)
             except Exception:  # the caller's answer failed: nothing here can answer instead
-                log.exception("file store: a read's completion failed")
+                log.exception("file store: a transfer's completion failed")
+            finally:
+                # An error's traceback holds the stripes' frames, and through them the callers'
+                # buffers: a cycle, kept until a collection (vLLM's region cannot unmap then).
+                errors.clear()
 
     def run(stripe: int) -> None:
         try:
