@@ -11,10 +11,12 @@
    surface — LMCache's adapter tasks (submitted, their event fd waited on), SGLang's zero-copy
    ``batch_set_v1`` / ``batch_get_v1`` from and into a host pool in its layout, vLLM's tier jobs
    (submitted, polled as its scheduler polls) — and straight through the same backend
-   (``put_from`` / ``get_into`` of the same bytes, keys built beforehand). Reported: ms per batch
+   (``put_from`` / ``get_into`` of the same bytes, keys built beforehand), and the store's own
+   started transfer of the same bytes as byte buffers (``Shelf.start_put`` / ``start_get``, its
+   fastest path; the LMCache adapter and vLLM's tier take it). Reported: ms per batch
    of each, interleaved with the order turning each round (a load sample repeats it for 50 ms),
-   and surface ÷ alone, the median of each round's ratio: what the surface costs over the
-   store (the ratio of the two medians beside it).
+   and surface ÷ alone and ÷ started, each the median of the rounds' ratios: what the surface
+   costs over the store (the ratio of the two medians beside it).
 """
 
 from __future__ import annotations

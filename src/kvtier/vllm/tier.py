@@ -206,9 +206,10 @@ class KvtierTier(SecondaryTierManager):
         the job on: one hand-off fewer), else ``run(job)`` on this tier's threads."""
         if len(job.keys) != len(job.chunk_ids):
             raise ValueError(f"{len(job.keys)} keys but {len(job.chunk_ids)} chunk ids")
+        started = self._shelf.starts_transfers  # before the count: it raises once shut down
         with self._lock:
             self._jobs += 1
-        if self._shelf.starts_transfers:
+        if started:
             start(job)
             return
         try:
